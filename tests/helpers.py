@@ -1,0 +1,103 @@
+"""Shared test helpers: fresh random data, the tolerance table, a NaN-aware comparison,
+and running a compiled kernel with poisoned outputs."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+import tvm
+
+try:
+    import ml_dtypes
+
+    BF16 = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes comes with apache-tvm
+    BF16 = None
+
+# Results are float32 and the reference is float64 on the same (quantized) input,
+# so the error is float32 accumulation and exp/log rounding, not the input dtype;
+# against torch, which returns fp16/bf16 losses, the output rounding dominates.
+TOLERANCES = {
+    "float32": {"rtol": 2e-5, "atol": 2e-5, "torch_rtol": 2e-5},
+    "float16": {"rtol": 2e-5, "atol": 2e-5, "torch_rtol": 2e-3},
+    "bfloat16": {"rtol": 2e-5, "atol": 2e-5, "torch_rtol": 1.6e-2},
+}
+POISON_FLOAT = np.nan
+POISON_INT = -7777
+
+
+def rng() -> np.random.Generator:
+    """A fresh generator per call; the seed is printed so a failure can be replayed."""
+    seed = int(os.environ.get("TVM_FUSION_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"seed={seed}")
+    return np.random.default_rng(seed)
+
+
+def np_dtype(name: str) -> np.dtype:
+    return BF16 if name == "bfloat16" else np.dtype(name)
+
+
+def random_floats(gen: np.random.Generator, shape, dtype: str, loc=0.0, scale=1.0) -> np.ndarray:
+    return (gen.standard_normal(shape) * scale + loc).astype(np_dtype(dtype))
+
+
+def assert_close(actual, expected, rtol: float, atol: float, what: str = "") -> None:
+    """Compare NaN-aware (NaN must match NaN); on failure print the worst mismatches."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    nan_a, nan_e = np.isnan(actual), np.isnan(expected)
+    if not np.array_equal(nan_a, nan_e):
+        rows = np.flatnonzero((nan_a != nan_e).ravel())[:5]
+        raise AssertionError(
+            f"{what}: NaN pattern differs at flat index {rows.tolist()}: "
+            f"actual {actual.ravel()[rows]}, expected {expected.ravel()[rows]}"
+        )
+    mask = ~nan_e
+    both_inf = np.isinf(expected) & (actual == expected)
+    err = np.where(mask & ~both_inf, np.abs(actual - expected), 0.0)
+    bound = atol + rtol * np.abs(np.where(mask & ~both_inf, expected, 0.0))
+    bad = err > bound
+    if bad.any():
+        worst = np.argsort(-(err - bound).ravel())[:5]
+        lines = [
+            f"  [{np.unravel_index(i, actual.shape)}] actual={actual.ravel()[i]!r} "
+            f"expected={expected.ravel()[i]!r} err={err.ravel()[i]:.3g} bound={bound.ravel()[i]:.3g}"
+            for i in worst
+        ]
+        raise AssertionError(f"{what}: {int(bad.sum())} of {bad.size} values off\n" + "\n".join(lines))
+
+
+def run_poisoned(kernel, inputs: list[np.ndarray], device=None) -> list[np.ndarray]:
+    """Run ``kernel`` on ``inputs`` with every output pre-filled with poison; return outputs.
+
+    An output element the kernel never writes stays NaN (or POISON_INT) and fails the
+    comparison with the reference."""
+    device = device or (tvm.cuda(0) if kernel.target.kind.name == "cuda" else tvm.cpu(0))
+    args = [tvm.runtime.tensor(np.ascontiguousarray(a), device) for a in inputs]
+    shapes = kernel.params[: kernel.num_inputs]
+    args = [a._create_view(shape) for a, (_, shape, _) in zip(args, shapes)]
+    outs = []
+    for _, shape, dtype in kernel.outputs:
+        poison = POISON_INT if dtype.startswith("int") else POISON_FLOAT
+        outs.append(tvm.runtime.tensor(np.full(shape, poison, dtype=dtype), device))
+    kernel(*args, *outs)
+    return [o.numpy() for o in outs]
+
+
+def has_gpu() -> bool:
+    try:
+        return bool(tvm.cuda(0).exist)
+    except Exception:  # noqa: BLE001
+        return False
+
+
+def torch_or_none():
+    try:
+        import torch
+
+        return torch
+    except ImportError:
+        return None

@@ -1,0 +1,72 @@
+"""Algorithm level: each operator's decompositions into map/reduce patterns, as TE compute."""
+
+from __future__ import annotations
+
+import json
+
+from tvm import te, tirx
+
+from ..contracts import BNStatsProblem, CrossEntropyProblem, Problem
+from .bn_stats import ALGORITHMS as BN_ALGORITHMS
+from .bn_stats import bn_stats_te
+from .cross_entropy import ALGORITHMS as CE_ALGORITHMS
+from .cross_entropy import cross_entropy_te
+
+ALGORITHMS = {"bn_stats": BN_ALGORITHMS, "cross_entropy": CE_ALGORITHMS}
+DEFAULT_ALGORITHM = {"bn_stats": "shifted", "cross_entropy": "three_pass"}
+
+
+def te_tensors(problem: Problem, algorithm: str | None = None) -> list[te.Tensor]:
+    algorithm = algorithm or DEFAULT_ALGORITHM[problem.op]
+    if isinstance(problem, BNStatsProblem):
+        return bn_stats_te(problem, algorithm)
+    if isinstance(problem, CrossEntropyProblem):
+        return cross_entropy_te(problem, algorithm)
+    raise TypeError(f"no compute for {problem!r}")
+
+
+def prim_func(problem: Problem, algorithm: str | None = None) -> tirx.PrimFunc:
+    """The operator as a TensorIR PrimFunc, tagged with the problem it computes.
+
+    The attributes ``tvm_fusion.problem`` (JSON) and ``tvm_fusion.algorithm`` let a
+    schedule candidate, or MetaSchedule replaying one, see the shape it is for.
+    """
+    algorithm = algorithm or DEFAULT_ALGORITHM[problem.op]
+    func = te.create_prim_func(te_tensors(problem, algorithm))
+    return func.with_attrs(
+        {
+            "global_symbol": "main",
+            "tvm_fusion.op": problem.op,
+            "tvm_fusion.algorithm": algorithm,
+            "tvm_fusion.problem": problem_to_json(problem),
+        }
+    )
+
+
+def problem_to_json(problem: Problem) -> str:
+    fields = {k: v for k, v in problem.__dict__.items()}
+    if isinstance(problem, BNStatsProblem):
+        fields["shape"] = list(problem.shape)
+        fields["input_shape"] = list(problem.input_shape)
+    return json.dumps({"op": problem.op, **fields}, sort_keys=True)
+
+
+def problem_from_json(text: str) -> Problem:
+    fields = json.loads(text)
+    op = fields.pop("op")
+    if op == "bn_stats":
+        fields["shape"] = tuple(fields["shape"])
+        fields["input_shape"] = tuple(fields["input_shape"])
+        return BNStatsProblem(**fields)
+    return CrossEntropyProblem(**fields)
+
+
+def problem_of(func: tirx.PrimFunc) -> Problem:
+    return problem_from_json(str(func.attrs["tvm_fusion.problem"]))
+
+
+def algorithm_of(func: tirx.PrimFunc) -> str:
+    return str(func.attrs["tvm_fusion.algorithm"])
+
+
+__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "prim_func", "problem_of", "algorithm_of", "te_tensors"]

@@ -1,0 +1,86 @@
+"""Algorithm level of bn_stats: map (cast, square) + dual reduction per channel.
+
+Two decompositions of the same contract, as TE compute:
+
+``one_pass``  ``x(SRR) -> (sum, sumsq)(S) -> mean, var``
+    mean = sum / n, var = sumsq / n - mean^2. One read of x, but the subtraction
+    cancels catastrophically when |mean| >> std.
+``shifted``   the same with ``d = x - K[c]``, K[c] the channel's first value
+    mean = K + sum(d) / n, var = sum(d^2) / n - (sum(d) / n)^2. Exact in the
+    cancellation case (mean 1000, std 0.01) for the price of one extra read per
+    channel, so every kernel candidate uses it unless it says otherwise.
+
+Block names (``shift``, ``moments``, ``mean``, ``var``) are what schedules refer to.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from ..contracts.bn_stats import BNStatsProblem
+from .primitives import DUAL_SUM, dims, index_dtype, widen
+
+ALGORITHMS = ("shifted", "one_pass")
+
+
+def bn_stats_te(problem: BNStatsProblem, algorithm: str = "shifted") -> list[te.Tensor]:
+    """TE tensors ``[x, mean, var]`` for ``problem`` under ``algorithm``."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"bn_stats: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    idx = index_dtype(problem.numel)
+    x = te.placeholder(dims(problem.shape, idx), problem.dtype, name="x")
+    channels = dims([problem.channels], idx)
+    count = float(problem.count)
+
+    if problem.channels_last:
+        m = te.reduce_axis((tirx.IntImm(idx, 0), x.shape[0]), name="m")
+
+        def value(c):
+            return widen(x[m, c], problem.dtype)
+
+        def first(c):
+            return widen(x[tirx.IntImm(idx, 0), c], problem.dtype)
+
+        axes = [m]
+    else:
+        n = te.reduce_axis((tirx.IntImm(idx, 0), x.shape[0]), name="n")
+        l = te.reduce_axis((tirx.IntImm(idx, 0), x.shape[2]), name="l")
+
+        def value(c):
+            return widen(x[n, c, l], problem.dtype)
+
+        def first(c):
+            zero = tirx.IntImm(idx, 0)
+            return widen(x[zero, c, zero], problem.dtype)
+
+        axes = [n, l]
+
+    if algorithm == "shifted":
+        shift = te.compute(channels, first, name="shift")
+
+        def moments_body(c):
+            d = value(c) - shift[c]
+            return DUAL_SUM((d, d * d), axis=axes)
+
+    else:
+        shift = None
+
+        def moments_body(c):
+            v = value(c)
+            return DUAL_SUM((v, v * v), axis=axes)
+
+    total, total_sq = te.compute(channels, moments_body, name="moments")
+
+    def mean_body(c):
+        mean_d = total[c] / count
+        return mean_d if shift is None else shift[c] + mean_d
+
+    def var_body(c):
+        mean_d = total[c] / count
+        var = total_sq[c] / count - mean_d * mean_d
+        # Clamp rounding below zero, but let NaN through (max(NaN, 0) would hide it).
+        return tirx.Select(var < 0.0, tirx.const(0.0, "float32"), var)
+
+    mean = te.compute(channels, mean_body, name="mean")
+    var = te.compute(channels, var_body, name="var")
+    return [x, mean, var]

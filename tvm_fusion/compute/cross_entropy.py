@@ -1,0 +1,154 @@
+"""Algorithm level of cross_entropy: row reductions, a scalar transform, a batch reduction.
+
+Two decompositions of the per-row log-sum-exp, as TE compute:
+
+``three_pass``  ``x(SR) -> max(S) -> exp, sum(S) -> row_loss(S) -> batch(R)``
+    1. row_max[i]    = max_k x[i, k]
+    2. row_sumexp[i] = sum_k exp(x[i, k] - row_max[i])   (+ sum_k w_k x[i, k] with smoothing)
+    3. row_loss[i]   = (1 - eps) w[t_i] (lse_i - x[i, t_i]) + eps / V (W lse_i - z_i)
+``online``      ``x(SR) -> (max, sumexp)(S) -> row_loss(S) -> batch(R)``
+    1. (row_max, row_sumexp)[i] = online_logsumexp_k (x[i, k], 1)   one pass over the row
+    2. row_loss as above.
+
+Then the batch stage (not for reduction="none"):
+    4. (total, denom, first_bad) = (sum_i row_loss[i], sum_i w[t_i] [t_i valid], min bad row)
+    5. loss = total / denom (mean) or total (sum)
+
+``first_bad_row`` (1,) holds the first row whose target is outside [0, V) and not
+ignore_index, or B when there is none. The gather ``x[i, t_i]`` reads a clamped index,
+so a bad target is flagged, never read out of bounds.
+
+The PrimFunc's parameters are ``logits, target[, weight]`` then, for reduction="none",
+``loss (B,), first_bad_row (1,)``; otherwise ``row_loss (B,), loss (1,), first_bad_row (1,)``.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from ..contracts.cross_entropy import CrossEntropyProblem
+from .primitives import BATCH_SUMS, DUAL_SUM, ONLINE_LSE, TRIPLE_SUM, dims, index_dtype, logsumexp, widen
+
+ALGORITHMS = ("three_pass", "online")
+
+
+def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass") -> list[te.Tensor]:
+    """TE tensors, parameters first then outputs, for ``problem`` under ``algorithm``."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"cross_entropy: algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
+        )
+    idx = index_dtype(problem.numel)
+    batch, classes = dims(problem.shape, idx)
+    rows = [batch]
+    eps = problem.label_smoothing
+    smoothing = eps > 0.0
+    weighted = problem.has_weight
+
+    logits = te.placeholder((batch, classes), problem.dtype, name="logits")
+    target = te.placeholder((batch,), problem.target_dtype, name="target")
+    weight = te.placeholder((classes,), "float32", name="weight") if weighted else None
+
+    def x(i, k):
+        return widen(logits[i, k], problem.dtype)
+
+    k = te.reduce_axis((tirx.IntImm(idx, 0), classes), name="k")
+    # 1-2. Per-row statistics: max, sum of exp, and the smoothing sums when needed.
+    def smooth_terms(i, kk) -> tuple:
+        if not smoothing:
+            return ()
+        if weighted:
+            return (weight[kk] * x(i, kk), weight[kk])
+        return (x(i, kk),)
+
+    n_extra = (2 if weighted else 1) if smoothing else 0
+    if algorithm == "three_pass":
+        row_max = te.compute(rows, lambda i: te.max(x(i, k), axis=k), name="row_max")
+        k2 = te.reduce_axis((tirx.IntImm(idx, 0), classes), name="k2")
+
+        def sumexp_body(i):
+            terms = (te.exp(x(i, k2) - row_max[i]),) + smooth_terms(i, k2)
+            if len(terms) == 1:
+                return te.sum(terms[0], axis=k2)
+            return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=k2)
+
+        stats = te.compute(rows, sumexp_body, name="row_sumexp")
+        stats = stats if isinstance(stats, (list, tuple)) else [stats]
+        row_sumexp, extra = stats[0], list(stats[1:])
+    else:
+        reducer = ONLINE_LSE[n_extra]
+
+        def online_body(i):
+            terms = (x(i, k), tirx.const(1.0, "float32")) + smooth_terms(i, k)
+            return reducer(terms, axis=k)
+
+        stats = te.compute(rows, online_body, name="row_online")
+        row_max, row_sumexp, extra = stats[0], stats[1], list(stats[2:])
+
+    # 3. Scalar transform per row.
+    ignore = problem.ignore_index
+    target_limits = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
+    lo, hi = target_limits[problem.target_dtype]
+    ignore_possible = lo <= ignore <= hi
+
+    def valid_and_in_range(i):
+        t = target[i]
+        valid = t != tirx.const(ignore, problem.target_dtype) if ignore_possible else None
+        in_range = tirx.all(t >= tirx.const(0, t.dtype), t < tirx.const(problem.classes, t.dtype))
+        return t, valid, in_range
+
+    def guarded(ok, value):
+        # if_then_else, not Select: Select may evaluate both sides, and the
+        # simplifier drops a clamp inside it, so a bad target would be read.
+        return tirx.if_then_else(ok, value, tirx.const(0.0, "float32"))
+
+    def row_loss_body(i):
+        t, valid, in_range = valid_and_in_range(i)
+        ok = in_range if valid is None else tirx.all(valid, in_range)
+        tc = t.astype(idx)
+        lse = logsumexp(row_max[i], row_sumexp[i])
+        w_t = weight[tc] if weighted else tirx.const(1.0, "float32")
+        loss = w_t * (lse - x(i, tc))
+        if smoothing:
+            total_weight = extra[1][i] if weighted else tirx.const(float(problem.classes), "float32")
+            smooth = total_weight * lse - extra[0][i]
+            loss = (1.0 - eps) * loss + (eps / problem.classes) * smooth
+        return guarded(ok, loss)
+
+    row_loss = te.compute(rows, row_loss_body, name="loss" if problem.reduction == "none" else "row_loss")
+
+    # 4-5. Batch stage: sums over rows and the first bad target.
+    i = te.reduce_axis((tirx.IntImm(idx, 0), batch), name="i")
+
+    def bad_row(i):
+        t, valid, in_range = valid_and_in_range(i)
+        bad = tirx.Not(in_range) if valid is None else tirx.all(valid, tirx.Not(in_range))
+        return tirx.Select(bad, i.astype("int32"), tirx.const(problem.batch, "int32"))
+
+    scalar = [tirx.IntImm(idx, 1)]
+    if problem.reduction == "none":
+        first_bad = te.compute(
+            scalar, lambda _: te.min(bad_row(i), axis=i), name="first_bad_row"
+        )
+        params = [logits, target] + ([weight] if weighted else [])
+        return params + [row_loss, first_bad]
+
+    def weight_of_row(i):
+        t, valid, in_range = valid_and_in_range(i)
+        ok = in_range if valid is None else tirx.all(valid, in_range)
+        w_t = weight[t.astype(idx)] if weighted else tirx.const(1.0, "float32")
+        return guarded(ok, w_t)
+
+    total, denom, first_bad_acc = te.compute(
+        scalar,
+        lambda _: BATCH_SUMS((row_loss[i], weight_of_row(i), bad_row(i)), axis=i),
+        name="batch",
+    )
+
+    def finish(z):
+        return total[z] / denom[z] if problem.reduction == "mean" else total[z]
+
+    loss = te.compute(scalar, finish, name="loss")
+    first_bad = te.compute(scalar, lambda z: first_bad_acc[z], name="first_bad_row")
+    params = [logits, target] + ([weight] if weighted else [])
+    return params + [row_loss, loss, first_bad]

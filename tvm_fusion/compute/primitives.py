@@ -1,0 +1,137 @@
+"""Shared reduction primitives of the algorithm level.
+
+BatchNorm statistics and CrossEntropy are built from the same few pieces:
+
+* ``tuple_reducer(("sum", "sum"))``: several reductions carried in one pass
+  (BN's sum and sum of squares; CE's sum of exp and weighted sum of logits);
+* ``shifted`` moments: sums of ``x - K`` and ``(x - K)^2`` for a per-channel shift K
+  taken from the data, which keeps the variance accurate when |mean| >> std;
+* ``online_logsumexp``: running max with a rescaled sum of exponentials
+  (``m = max(m_a, m_b); s = s_a e^(m_a - m) + s_b e^(m_b - m)``), one pass over a row.
+
+Index arithmetic is int32 unless a tensor has 2^31 elements or more.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Callable, Sequence
+
+import tvm_ffi
+from tvm import te, tirx
+
+INT32_LIMIT = 2**31 - 1
+F32_LOWEST = -3.4028234663852886e38
+
+_COMBINE = {
+    "sum": lambda a, b: a + b,
+    "min": lambda a, b: tirx.min(a, b),
+    "max": lambda a, b: tirx.max(a, b),
+}
+_IDENTITY = {
+    "sum": lambda dtype: tirx.const(0, dtype),
+    "min": tirx.max_value,
+    "max": tirx.min_value,
+}
+
+
+def index_dtype(numel: int) -> str:
+    """int64 when flat offsets can pass 2^31 - 1, else int32 (cheaper on the GPU)."""
+    return "int64" if numel > INT32_LIMIT else "int32"
+
+
+def dims(shape: Sequence[int], dtype: str) -> list[tirx.IntImm]:
+    return [tirx.IntImm(dtype, int(d)) for d in shape]
+
+
+def _schedulable(arity: int, combine: Callable, identity: Callable) -> None:
+    """Teach TensorIR's rfactor and cross-thread reduction this reducer.
+
+    TensorIR recognizes a reduction block by matching its combiner against a registry
+    that holds only sum, product, min, max, a pair of sums and argmax/argmin; tuples
+    such as (sum, sum, min) or the online log-sum-exp must be registered, in every
+    process that schedules or lowers them (MetaSchedule's builders import this module).
+    """
+    register = tvm_ffi.get_global_func("s_tir.schedule.RegisterReducer")
+    callbacks = [
+        tvm_ffi.convert(lambda lhs, rhs: list(combine(lhs, rhs))),
+        tvm_ffi.convert(lambda values: list(identity(*[str(v.ty) for v in values]))),
+    ]
+    register(arity, *callbacks)
+    # The registry is a C++ static that outlives the interpreter: were these the last
+    # references, its destructor would call into a finalized Python at exit and
+    # abort ("double free or corruption"). Keep them alive for good.
+    for callback in callbacks:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(callback))
+
+
+def tuple_reducer(kinds: Sequence[str], name: str | None = None) -> te.CommReducer:
+    """A reducer carrying ``len(kinds)`` independent reductions through one pass."""
+    kinds = tuple(kinds)
+
+    def combine(lhs, rhs):
+        return tuple(_COMBINE[k](a, b) for k, a, b in zip(kinds, lhs, rhs))
+
+    def identity(*dtypes):
+        return tuple(_IDENTITY[k](d) for k, d in zip(kinds, dtypes))
+
+    if kinds not in _REGISTERED:
+        _REGISTERED.add(kinds)
+        if len(kinds) > 1 and kinds != ("sum", "sum"):
+            _schedulable(len(kinds), combine, identity)
+    return te.comm_reducer(combine, identity, name=name or "_".join(kinds))
+
+
+_REGISTERED: set = set()
+
+
+DUAL_SUM = tuple_reducer(("sum", "sum"), name="dual_sum")
+TRIPLE_SUM = tuple_reducer(("sum", "sum", "sum"), name="triple_sum")
+BATCH_SUMS = tuple_reducer(("sum", "sum", "min"), name="batch_sums")
+
+
+def online_logsumexp(extra_sums: int = 0) -> te.CommReducer:
+    """Reducer over ``(m, s, *sums)``: running max, rescaled sum of exp, plain sums.
+
+    An element ``x`` enters as ``(x, 1, ...)``. The identity uses the lowest finite
+    float32 rather than -inf so that combining two identities gives ``0 * e^0 = 0``
+    instead of ``0 * e^(-inf + inf) = NaN``; an element that is NaN or +inf still
+    turns ``s`` into NaN through ``e^(x - m)``, as torch's logsumexp does.
+    """
+
+    def combine(lhs, rhs):
+        m = tirx.max(lhs[0], rhs[0])
+        s = lhs[1] * te.exp(lhs[0] - m) + rhs[1] * te.exp(rhs[0] - m)
+        return (m, s) + tuple(a + b for a, b in zip(lhs[2:], rhs[2:]))
+
+    def identity(*dtypes):
+        return (tirx.const(F32_LOWEST, dtypes[0]), tirx.const(0, dtypes[1])) + tuple(
+            tirx.const(0, d) for d in dtypes[2:]
+        )
+
+    if ("online", extra_sums) not in _REGISTERED:
+        _REGISTERED.add(("online", extra_sums))
+        _schedulable(2 + extra_sums, combine, identity)
+    return te.comm_reducer(combine, identity, name=f"online_lse_{extra_sums}")
+
+
+ONLINE_LSE = [online_logsumexp(extra) for extra in range(3)]
+
+
+def widen(value: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:
+    """``value`` (of ``dtype``) as float32, the accumulation type of every kernel.
+
+    bfloat16 is widened by its bits (``bits << 16``): TVM's bf16 legalization on
+    LLVM mistranslates a plain cast inside a tuple reduction (the let-bound form
+    that (sum, sumsq) lowers to) into an integer conversion of the bits. On CUDA
+    both forms compile to the same shift."""
+    if dtype == "bfloat16":
+        bits = tirx.Cast("uint32", tirx.reinterpret("uint16", value))
+        return tirx.reinterpret("float32", bits << tirx.const(16, "uint32"))
+    if dtype == "float32":
+        return value
+    return value.astype("float32")
+
+
+def logsumexp(row_max: tirx.PrimExpr, row_sumexp: tirx.PrimExpr) -> tirx.PrimExpr:
+    return te.log(row_sumexp) + row_max

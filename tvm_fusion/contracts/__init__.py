@@ -1,0 +1,15 @@
+"""Semantic level: operator contracts (argument checks, canonical problems, float64 references)."""
+
+from .bn_stats import BNStatsProblem, bn_stats_problem
+from .cross_entropy import CrossEntropyProblem, TargetOutOfRangeError, cross_entropy_problem
+
+Problem = BNStatsProblem | CrossEntropyProblem
+
+__all__ = [
+    "BNStatsProblem",
+    "CrossEntropyProblem",
+    "Problem",
+    "TargetOutOfRangeError",
+    "bn_stats_problem",
+    "cross_entropy_problem",
+]

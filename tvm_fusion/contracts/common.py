@@ -1,0 +1,61 @@
+"""Argument checks shared by the operator contracts.
+
+Every message names the argument and the value it got, so that a user reading
+only the exception knows what to change.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+
+FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+INDEX_DTYPES = ("int32", "int64")
+
+
+def check_shape(op: str, name: str, shape: object) -> tuple[int, ...]:
+    """Return ``shape`` as a tuple of non-negative ints, or raise naming ``name``."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Iterable):
+        raise TypeError(f"{op}: {name} must be a sequence of ints, got {shape!r}")
+    dims = tuple(shape)
+    for dim in dims:
+        if isinstance(dim, bool) or not isinstance(dim, int) and not hasattr(dim, "__index__"):
+            raise TypeError(f"{op}: {name} must contain ints, got {shape!r}")
+    dims = tuple(int(d) for d in dims)
+    if any(d < 0 for d in dims):
+        raise ValueError(f"{op}: {name} must not have negative sizes, got {dims}")
+    return dims
+
+
+def check_choice(op: str, name: str, value: object, choices: Sequence[str]) -> str:
+    if not isinstance(value, str) or value not in choices:
+        allowed = ", ".join(repr(c) for c in choices)
+        raise ValueError(f"{op}: {name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def check_dtype(op: str, name: str, dtype: str, allowed: Sequence[str]) -> str:
+    if dtype not in allowed:
+        raise TypeError(f"{op}: {name} dtype must be one of {', '.join(allowed)}, got {dtype}")
+    return dtype
+
+
+def check_int(op: str, name: str, value: object) -> int:
+    if isinstance(value, bool) or not hasattr(value, "__index__"):
+        raise TypeError(f"{op}: {name} must be an int, got {value!r}")
+    return int(value)
+
+
+def check_bool(op: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be True or False, got {value!r}")
+    return value
+
+
+def numel(shape: Sequence[int]) -> int:
+    total = 1
+    for dim in shape:
+        total *= dim
+    return total
+
+
+DTYPE_BYTES = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int32": 4, "int64": 8}

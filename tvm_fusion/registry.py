@@ -1,0 +1,189 @@
+"""Kernel-IR candidates and the registry that holds them.
+
+A candidate is one schedule of one decomposition (``algorithm``) of one operator for
+one target kind. Like a DLight rule, ``apply(func, target, tunable)`` returns a
+schedule, or ``None`` when the candidate does not apply, so the predicate and the
+result are one thing. Its launch knobs are a frozen dataclass with a
+``default_for`` heuristic and an ``all_configs`` space; with ``tunable=True`` every
+knob is drawn with ``sample_categorical`` so MetaSchedule can search inside the
+candidate as well as between candidates.
+
+The dispatch order per (operator, target kind) is written once, in
+``tvm_fusion.schedules.DISPATCH_ORDER``: most specific first, fallback last.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator
+from typing import Any, ClassVar
+
+from tvm import s_tir, tirx
+from tvm.target import Target
+
+from .compute import algorithm_of, problem_of
+from .contracts import Problem
+
+CANDIDATE_ANNOTATION = "tvm_fusion.candidate"
+KNOB_ANNOTATION = "tvm_fusion.knob."
+
+
+@dataclasses.dataclass(frozen=True)
+class Knobs:
+    """Base of every candidate's launch knobs. Subclasses add int fields."""
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+    def __str__(self) -> str:
+        return ",".join(f"{k}={v}" for k, v in self.as_dict().items())
+
+
+class Candidate:
+    """One kernel-IR realization. Subclasses set the class attributes and override
+    ``applies``, ``choices`` (the knob space), ``default_for`` and ``schedule``."""
+
+    name: ClassVar[str]
+    op: ClassVar[str]
+    target_kind: ClassVar[str]
+    algorithm: ClassVar[str]
+    knobs: ClassVar[type[Knobs]]
+
+    # -- predicate and knobs ---------------------------------------------------
+    def applies(self, problem: Problem) -> bool:
+        """True when the candidate computes ``problem`` correctly."""
+        return problem.op == self.op
+
+    def choices(self, problem: Problem, target: Target) -> dict[str, list[int]]:
+        """Values each knob may take for ``problem``: the candidate's design space."""
+        raise NotImplementedError
+
+    def default_for(self, problem: Problem, target: Target) -> Knobs:
+        raise NotImplementedError
+
+    def all_configs(self, problem: Problem, target: Target) -> list[Knobs]:
+        space = self.choices(problem, target)
+        names = list(space)
+        return [
+            self.knobs(**dict(zip(names, values)))
+            for values in itertools.product(*(space[n] for n in names))
+        ]
+
+    # -- schedule ---------------------------------------------------------------
+    def schedule(self, sch: s_tir.Schedule, problem: Problem, knobs: Any) -> None:
+        """Schedule ``sch`` in place. ``knobs`` fields are ints or sampled ExprRVs;
+        the loop structure must not depend on their values (MetaSchedule replays the
+        trace with other decisions)."""
+        raise NotImplementedError
+
+    def apply(
+        self,
+        func: tirx.PrimFunc,
+        target: Target,
+        tunable: bool = False,
+        knobs: Knobs | None = None,
+    ) -> s_tir.Schedule | None:
+        if "tvm_fusion.problem" not in func.attrs or algorithm_of(func) != self.algorithm:
+            return None
+        problem = problem_of(func)
+        if target.kind.name != self.target_kind or not self.applies(problem):
+            return None
+        sch = s_tir.Schedule(func)
+        self.apply_to(sch, problem, target, tunable, knobs)
+        return sch
+
+    def apply_to(
+        self,
+        sch: s_tir.Schedule,
+        problem: Problem,
+        target: Target,
+        tunable: bool = False,
+        knobs: Knobs | None = None,
+    ) -> None:
+        """Schedule ``sch`` (whose function computes ``problem``) in place."""
+        root = sch.get_sblock("root")
+        sch.annotate(root, CANDIDATE_ANNOTATION, self.name)
+        if tunable:
+            values = {}
+            for field, options in self.choices(problem, target).items():
+                default = getattr(self.default_for(problem, target), field)
+                decision = options.index(default) if default in options else 0
+                values[field] = sch.sample_categorical(
+                    options, [1.0 / len(options)] * len(options), decision=decision
+                )
+                sch.annotate(root, KNOB_ANNOTATION + field, values[field])
+            self.schedule(sch, problem, _SampledKnobs(values))
+        else:
+            knobs = knobs or self.default_for(problem, target)
+            for field, value in knobs.as_dict().items():
+                sch.annotate(root, KNOB_ANNOTATION + field, value)
+            self.schedule(sch, problem, knobs)
+
+    def __repr__(self) -> str:
+        return f"<candidate {self.name} ({self.op}, {self.target_kind}, {self.algorithm})>"
+
+
+class _SampledKnobs:
+    """Knob fields as ExprRVs, read like the frozen dataclass."""
+
+    def __init__(self, values: dict[str, Any]):
+        self.__dict__.update(values)
+
+
+def ladder(value: int, steps: list[tuple[int, int]], last: int) -> int:
+    """First ``v`` of ``steps = [(limit, v), ...]`` with ``value <= limit``, else ``last``."""
+    for limit, chosen in steps:
+        if value <= limit:
+            return chosen
+    return last
+
+
+# -- the registry ---------------------------------------------------------------
+_REGISTRY: dict[str, Candidate] = {}
+
+
+def register(cls: type[Candidate]) -> type[Candidate]:
+    """Class decorator: one instance of each candidate lives in the registry."""
+    if cls.name in _REGISTRY:
+        raise ValueError(f"candidate {cls.name!r} registered twice")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def get(name: str) -> Candidate:
+    _load()
+    if name not in _REGISTRY:
+        raise KeyError(f"unknown candidate {name!r}; known: {', '.join(sorted(_REGISTRY))}")
+    return _REGISTRY[name]
+
+
+def candidates(op: str, target_kind: str) -> list[Candidate]:
+    """Candidates for (op, target kind) in dispatch order."""
+    from . import schedules
+
+    return [get(name) for name in schedules.DISPATCH_ORDER.get((op, target_kind), [])]
+
+
+def applicable(problem: Problem, target: Target) -> list[Candidate]:
+    return [c for c in candidates(problem.op, target.kind.name) if c.applies(problem)]
+
+
+def default_candidate(problem: Problem, target: Target) -> Candidate:
+    """The first candidate in dispatch order that applies and prefers this problem."""
+    found = applicable(problem, target)
+    for cand in found:
+        if getattr(cand, "prefers", lambda p: True)(problem):
+            return cand
+    if found:
+        return found[-1]
+    raise LookupError(f"no {target.kind.name} candidate applies to {problem.describe()}")
+
+
+def all_candidates() -> Iterator[Candidate]:
+    _load()
+    return iter(_REGISTRY.values())
+
+
+def _load() -> None:
+    from . import schedules  # noqa: F401  (registers every candidate)

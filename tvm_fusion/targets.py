@@ -1,0 +1,65 @@
+"""Target names and dicts: what ``target=`` accepts and how it becomes a TVM Target."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import tvm
+from tvm.target import Target
+
+KINDS = ("cuda", "llvm")
+DEFAULT_CUDA_ARCH = "sm_90"  # the H200 the anchor figures come from
+
+
+@functools.cache
+def _host_cpu() -> Target:
+    return Target.from_device("cpu")
+
+
+@functools.cache
+def _cuda_arch() -> str:
+    """The arch of GPU 0 when one is there, else the H200's (code generation only)."""
+    try:
+        dev = tvm.cuda(0)
+        if dev.exist:
+            major, minor = dev.compute_version.split(".")
+            return f"sm_{major}{minor}"
+    except Exception:  # noqa: BLE001 - no CUDA runtime here: generate for the default
+        pass
+    return DEFAULT_CUDA_ARCH
+
+
+def resolve(target: Any) -> Target:
+    """``"cuda"`` / ``"llvm"`` / a TVM 0.27 target dict / a Target -> Target."""
+    if isinstance(target, Target):
+        return target
+    if isinstance(target, str):
+        if target == "cuda":
+            return Target({"kind": "cuda", "arch": _cuda_arch()})
+        if target in ("llvm", "cpu"):
+            return _host_cpu()
+        raise ValueError(
+            f"target must be 'cuda', 'llvm' or a target dict like "
+            f"{{'kind': 'cuda', 'arch': 'sm_90'}}, got {target!r}"
+        )
+    if isinstance(target, dict):
+        kind = target.get("kind")
+        if kind not in KINDS:
+            raise ValueError(f"target kind must be one of {', '.join(KINDS)}, got {kind!r}")
+        try:
+            return Target(dict(target))
+        except Exception as err:  # noqa: BLE001 - TVM's message says which key is wrong
+            raise ValueError(f"target {target!r} is not a valid TVM target: {err}") from None
+    raise TypeError(f"target must be a str, a dict or a tvm.target.Target, got {target!r}")
+
+
+def key(target: Target) -> str:
+    """Short stable name for caches and log folders, e.g. ``cuda_sm_90``, ``llvm``."""
+    if target.kind.name == "cuda":
+        return f"cuda_{target.attrs.get('arch', DEFAULT_CUDA_ARCH)}"
+    return target.kind.name
+
+
+def for_device(device_type: str) -> Target:
+    return resolve("cuda" if device_type == "cuda" else "llvm")
