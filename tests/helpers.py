@@ -24,6 +24,15 @@ TOLERANCES = {
     "float16": {"rtol": 2e-5, "atol": 2e-5, "torch_rtol": 2e-3},
     "bfloat16": {"rtol": 2e-5, "atol": 2e-5, "torch_rtol": 1.6e-2},
 }
+
+
+def bn_atol(dtype: str, count: int) -> float:
+    """Absolute tolerance of BN statistics in units of the data's spread: float32
+    accumulation of ``count`` values per channel (in lanes and threads) drifts
+    like sqrt(count) roundings of the running sums."""
+    return TOLERANCES[dtype]["atol"] + 1e-7 * np.sqrt(count)
+
+
 POISON_FLOAT = np.nan
 POISON_INT = -7777
 

@@ -7,11 +7,14 @@ decomposition, for any shape on the CPU.
 1. The channel loop of the epilogue runs in parallel; the shift, the moments
    and the variance are computed at it.
 2. ``moments`` reduces each plane into ``lanes`` float32 accumulator pairs
-   (rfactor over the innermost split of L), vectorized, then across lanes.
+   (rfactor over the innermost split of L), vectorized, then across lanes; when
+   no vector width divides L, into one partial per plane (rfactor over N).
 (M, C) view:
 1. Channels are split into ``lanes``-wide groups that run in parallel.
-2. ``moments`` walks M in the outer loop and a vector of channels in the inner
-   one, so each row of x is read contiguously.
+2. ``moments`` keeps ``partials`` partial sums along M (rfactor; fewer float32
+   roundings per sum) and walks M in the outer loop with a vector of channels
+   inside, so each row of x is read contiguously; with fewer than 4 channels the
+   partials are the vector lanes instead.
 
 Not used: parallel over N (C >= cores on every table shape); Welford (a divide
 per element, and shifted sums are as exact here).
@@ -31,7 +34,8 @@ from .common import lane_choices, lane_partials, vectorize_partials
 
 @dataclass(frozen=True)
 class ChannelsParallelKnobs(Knobs):
-    lanes: int = 16
+    lanes: int = 16  # (N, C, L): partials along L; (M, C): channels per vector
+    partials: int = 1  # (M, C): partial sums along M (accuracy, and lanes when C is small)
 
 
 @register
@@ -46,29 +50,42 @@ class BNStatsParallel(Candidate):
         return problem.channels if problem.channels_last else problem.shape[2]
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
-        return {"lanes": lane_choices(self._contiguous(problem))}
+        partials = lane_choices(problem.shape[0]) if problem.channels_last else [1]
+        return {"lanes": lane_choices(self._contiguous(problem)), "partials": partials}
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> ChannelsParallelKnobs:
-        lanes = lane_choices(self._contiguous(problem))
-        return ChannelsParallelKnobs(lanes=16 if 16 in lanes else max(lanes))
+        space = self.choices(problem, target)
+        lanes, partials = space["lanes"], space["partials"]
+        return ChannelsParallelKnobs(
+            lanes=16 if 16 in lanes else max(lanes), partials=16 if 16 in partials else max(partials)
+        )
 
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:
         mean, var = sch.get_sblock("mean"), sch.get_sblock("var")
         moments, shift = sch.get_sblock("moments"), sch.get_sblock("shift")
+        # 2a. Partial sums first: rfactor wants the loop nest to itself.
+        by_plane = not problem.channels_last and problem.shape[2] % 4 != 0
+        if by_plane:  # no vector width divides L: one partial per plane instead
+            partial = sch.rfactor(sch.get_loops(moments)[1], factor_axis=0)
+        else:
+            partial = lane_partials(sch, moments, knobs.partials if problem.channels_last else knobs.lanes)
         channel = sch.merge(sch.get_loops(mean)[0], sch.get_loops(var)[0])
         if problem.channels_last:
+            # 1. Channel groups in parallel, a vector of channels each.
             group, lane = sch.split(channel, [None, knobs.lanes])
             sch.parallel(group)
             sch.vectorize(lane)
-            sch.compute_at(moments, group, preserve_unit_loops=True)
-            lane_loop, row_loop = sch.get_loops(moments)[1:]
-            sch.reorder(row_loop, lane_loop)
-            sch.vectorize(lane_loop)
-            sch.compute_at(shift, group, preserve_unit_loops=True)
+            for block in (moments, partial, shift):
+                sch.compute_at(block, group, preserve_unit_loops=True)
+            # 2b. Rows outermost, then the partials, then the channel vector: x is
+            # read row by row, contiguously.
+            row_partial, channel_lane, row = sch.get_loops(partial)[1:]
+            sch.reorder(row, row_partial, channel_lane)
+            sch.vectorize(channel_lane if problem.channels >= 4 else row_partial)
             return
-        partial = lane_partials(sch, moments, knobs.lanes)
+        # 1. Channels in parallel; 2b. each plane into vector-lane partials.
         sch.parallel(channel)
-        sch.compute_at(moments, channel, preserve_unit_loops=True)
-        sch.compute_at(partial, channel, preserve_unit_loops=True)
-        sch.compute_at(shift, channel, preserve_unit_loops=True)
-        vectorize_partials(sch, partial, 1)
+        for block in (moments, partial, shift):
+            sch.compute_at(block, channel, preserve_unit_loops=True)
+        if not by_plane:
+            vectorize_partials(sch, partial, 1)

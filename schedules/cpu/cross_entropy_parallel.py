@@ -1,7 +1,8 @@
 """Rows in parallel across cores, each row reduced in vector lanes (LLVM).
 
 Pattern ``x(SR) -> max(S) -> exp, sum(S) -> row_loss(S) -> batch(R)``, the
-``three_pass`` decomposition, for any shape on the CPU.
+``three_pass_poly_exp`` decomposition (three_pass with a polynomial exp that
+LLVM vectorizes), for any shape on the CPU.
 
 1. The per-row epilogue is the anchor; its row loop runs in parallel.
 2. ``row_max`` and ``row_sumexp`` are computed per row into ``lanes`` float32
@@ -10,8 +11,8 @@ Pattern ``x(SR) -> max(S) -> exp, sum(S) -> row_loss(S) -> batch(R)``, the
 3. The batch sum runs serially over rows (B values, negligible next to B*V).
 
 Not used: the online decomposition (its combine costs two exp per element, which
-a CPU pays in full); a fused exp approximation (numpy's SIMD exp is already fast
-enough that the pass count, not exp, decides).
+a CPU pays in full); ``expf`` (LLVM scalarizes a vector exp into one libm call per
+lane: 440 ms against numpy's 379 ms on 4096x32000 float32, two Xeon cores).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ class CrossEntropyParallel(Candidate):
     name = "cross_entropy_parallel"
     op = "cross_entropy"
     target_kind = "llvm"
-    algorithm = "three_pass"
+    algorithm = "three_pass_poly_exp"
     knobs = RowsParallelKnobs
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:

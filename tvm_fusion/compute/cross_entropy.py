@@ -9,6 +9,8 @@ Two decompositions of the per-row log-sum-exp, as TE compute:
 ``online``      ``x(SR) -> (max, sumexp)(S) -> row_loss(S) -> batch(R)``
     1. (row_max, row_sumexp)[i] = online_logsumexp_k (x[i, k], 1)   one pass over the row
     2. row_loss as above.
+``three_pass_poly_exp``  ``three_pass`` with exp as a polynomial after range
+    reduction (``poly_exp``), for targets whose vector units have no exp (LLVM).
 
 Then the batch stage (not for reduction="none"):
     4. (total, denom, first_bad) = (sum_i row_loss[i], sum_i w[t_i] [t_i valid], min bad row)
@@ -27,9 +29,19 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from ..contracts.cross_entropy import CrossEntropyProblem
-from .primitives import BATCH_SUMS, DUAL_SUM, ONLINE_LSE, TRIPLE_SUM, dims, index_dtype, logsumexp, widen
+from .primitives import (
+    BATCH_SUMS,
+    DUAL_SUM,
+    ONLINE_LSE,
+    TRIPLE_SUM,
+    dims,
+    index_dtype,
+    logsumexp,
+    poly_exp,
+    widen,
+)
 
-ALGORITHMS = ("three_pass", "online")
+ALGORITHMS = ("three_pass", "online", "three_pass_poly_exp")
 
 
 def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass") -> list[te.Tensor]:
@@ -62,12 +74,13 @@ def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass"
         return (x(i, kk),)
 
     n_extra = (2 if weighted else 1) if smoothing else 0
-    if algorithm == "three_pass":
+    exp = poly_exp if algorithm == "three_pass_poly_exp" else te.exp
+    if algorithm in ("three_pass", "three_pass_poly_exp"):
         row_max = te.compute(rows, lambda i: te.max(x(i, k), axis=k), name="row_max")
         k2 = te.reduce_axis((tirx.IntImm(idx, 0), classes), name="k2")
 
         def sumexp_body(i):
-            terms = (te.exp(x(i, k2) - row_max[i]),) + smooth_terms(i, k2)
+            terms = (exp(x(i, k2) - row_max[i]),) + smooth_terms(i, k2)
             if len(terms) == 1:
                 return te.sum(terms[0], axis=k2)
             return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=k2)

@@ -1,0 +1,672 @@
+"""``tvm-fusion bench``: every candidate, the default pick and the peers, side by side.
+
+One process, one run: a device-to-device copy gives the bandwidth ceiling, then for
+each shape every provider is checked against a float64 reference (a wrong result is
+reported, never timed) and timed with CUDA graph replay (CUDA events around a graph
+of launches, median of repeats; inputs rotated so the working set is several times
+the L2), or with ``time.perf_counter`` on the CPU. It prints a table (ms, GB/s,
+fraction of copy bandwidth, speed-up over the best peer), appends rows to the
+results CSV and draws one bar chart per operator.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import datetime
+import math
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import __version__, registry, targets
+from .api import make_problem
+from .compute import prim_func
+from .contracts import BNStatsProblem, CrossEntropyProblem
+from .contracts import bn_stats as bn_contract
+from .contracts import cross_entropy as ce_contract
+from .contracts.common import DTYPE_BYTES
+from .dispatch import choose
+from .kernel import Kernel, build_kernel
+
+CSV_FIELDS = [
+    "hardware", "date", "version", "op", "shape", "dtype", "options", "provider",
+    "median_ms", "gb_s", "frac_copy", "method", "status",
+]
+RESULTS_DIR = "results"
+CSV_NAME = "benchmarks.csv"
+L2_BYTES = 60 * 2**20  # H200: rotate inputs so a timed set never fits in L2
+ROTATION_BYTES = 4 * L2_BYTES
+MAX_COPIES = 32
+PEERS = ("torch eager", "torch.compile", "TVM DLight", "Liger")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str
+    shape: tuple[int, ...]
+    dtype: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def problem(self):
+        return make_problem(self.op, self.shape, self.dtype, **dict(self.options))
+
+    def label(self) -> str:
+        dims = "x".join(map(str, self.shape))
+        opts = ",".join(f"{k}={v}" for k, v in self.options)
+        return f"{self.op} {dims} {self.dtype}" + (f" {opts}" if opts else "")
+
+
+# DESIGN.md's table (the anchor figures were measured on these).
+GPU_CASES = [
+    Case("bn_stats", (64, 256, 56, 56), "float16"),
+    Case("bn_stats", (32, 64, 112, 112), "float16"),
+    Case("bn_stats", (256, 2048, 7, 7), "float16"),
+    Case("bn_stats", (8, 3, 224, 224), "float16"),
+    Case("cross_entropy", (4096, 32000), "float16"),
+    Case("cross_entropy", (8192, 128256), "bfloat16"),
+    Case("cross_entropy", (65536, 1000), "float16"),
+    Case("cross_entropy", (16384, 50257), "bfloat16"),
+    Case("cross_entropy", (128, 32000), "float16"),
+]
+# The CPU comparison of issue 2: numpy doing the same work on the same inputs.
+CPU_CASES = [
+    Case("bn_stats", (64, 256, 56, 56), "float32"),
+    Case("cross_entropy", (4096, 32000), "float32"),
+]
+
+
+@dataclasses.dataclass
+class Result:
+    case: Case
+    provider: str
+    median_ms: float | None
+    bytes_moved: int
+    method: str
+    status: str  # "ok", "wrong: ...", "failed: ...", "skipped: ..."
+
+    @property
+    def gb_s(self) -> float | None:
+        return None if not self.median_ms else self.bytes_moved / (self.median_ms * 1e-3) / 1e9
+
+
+# -- environment ---------------------------------------------------------------------
+def gpu_available() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+def hardware_name(on_gpu: bool) -> str:
+    if on_gpu:
+        import torch
+
+        return torch.cuda.get_device_name()
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if line.startswith("model name"):
+                    return f"{line.split(':', 1)[1].strip()} x{os.cpu_count()}"
+    except OSError:
+        pass
+    return platform.processor() or "cpu"
+
+
+def version_string() -> str:
+    import tvm
+
+    sha = ""
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+        ).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return f"tvm_fusion {__version__}{'+' + sha if sha else ''} / tvm {tvm.__version__}"
+
+
+# -- data and references ---------------------------------------------------------------
+def make_inputs(case: Case, gen: np.random.Generator) -> dict[str, np.ndarray]:
+    """Fresh random host inputs (never zeros); CE gets ~5% ignored rows."""
+    import ml_dtypes
+
+    np_dtype = ml_dtypes.bfloat16 if case.dtype == "bfloat16" else np.dtype(case.dtype)
+    problem = case.problem
+    if isinstance(problem, BNStatsProblem):
+        x = (gen.standard_normal(problem.input_shape, dtype=np.float32) * 1.5 + 0.25).astype(np_dtype)
+        return {"x": x}
+    logits = (gen.standard_normal(problem.shape, dtype=np.float32) * 2.0).astype(np_dtype)
+    target = gen.integers(0, problem.classes, problem.batch).astype(problem.target_dtype)
+    target[gen.random(problem.batch) < 0.05] = problem.ignore_index
+    out = {"logits": logits, "target": target}
+    if problem.has_weight:
+        out["weight"] = (gen.random(problem.classes) + 0.5).astype(np.float32)
+    return out
+
+
+def device_inputs(case: Case) -> dict[str, Any]:
+    """Fresh random inputs made on the GPU by torch (the big shapes are GBs)."""
+    import torch
+
+    problem = case.problem
+    dtype = getattr(torch, case.dtype)
+    if isinstance(problem, BNStatsProblem):
+        x = torch.randn(problem.input_shape, device="cuda") * 1.5 + 0.25
+        return {"x": x.to(dtype)}
+    logits = (torch.randn(problem.shape, device="cuda") * 2.0).to(dtype)
+    target = torch.randint(0, problem.classes, (problem.batch,), device="cuda",
+                           dtype=getattr(torch, problem.target_dtype))
+    target[torch.rand(problem.batch, device="cuda") < 0.05] = problem.ignore_index
+    out = {"logits": logits, "target": target}
+    if problem.has_weight:
+        out["weight"] = torch.rand(problem.classes, device="cuda") + 0.5
+    return out
+
+
+def host_reference(case: Case, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    problem = case.problem
+    if isinstance(problem, BNStatsProblem):
+        return list(bn_contract.reference(inputs["x"], problem.layout))
+    o = dict(case.options)
+    return [np.asarray(ce_contract.reference(
+        inputs["logits"], inputs["target"], inputs.get("weight"), o.get("ignore_index", -100),
+        o.get("reduction", "mean"), o.get("label_smoothing", 0.0),
+    ))]
+
+
+def torch_reference(case: Case, t: dict[str, Any]) -> list[Any]:
+    """Float64 reference computed by torch on the device (fast for the big shapes)."""
+    import torch
+    import torch.nn.functional as F
+
+    problem = case.problem
+    if isinstance(problem, BNStatsProblem):
+        x = t["x"].double().reshape(problem.shape)
+        dims = (0,) if problem.channels_last else (0, 2)
+        var, mean = torch.var_mean(x, dim=dims, correction=0)
+        return [mean, var]
+    o = dict(case.options)
+    weight = t.get("weight")
+    loss = F.cross_entropy(
+        t["logits"].double(), t["target"].long(), None if weight is None else weight.double(),
+        ignore_index=o.get("ignore_index", -100), reduction=o.get("reduction", "mean"),
+        label_smoothing=o.get("label_smoothing", 0.0),
+    )
+    return [loss.reshape(-1) if loss.dim() == 0 else loss]
+
+
+def close(actual: np.ndarray, expected: np.ndarray, rtol: float) -> tuple[bool, float]:
+    actual = np.asarray(actual, np.float64).reshape(np.shape(expected))
+    expected = np.asarray(expected, np.float64)
+    if not np.array_equal(np.isnan(actual), np.isnan(expected)):
+        return False, math.inf
+    mask = ~np.isnan(expected)
+    err = np.abs(actual[mask] - expected[mask])
+    scale = np.maximum(np.abs(expected[mask]), 1e-3)
+    worst = float(np.max(err / scale)) if err.size else 0.0
+    return worst <= rtol, worst
+
+
+# -- timing --------------------------------------------------------------------------
+def time_gpu(launches: list[Callable[[], None]], repeats: int = 15, per_graph: int = 0) -> tuple[float, str]:
+    """Median ms of one launch: CUDA graph replay of many launches timed with events;
+    falls back to timing a loop of launches when capture is not possible.
+
+    A graph holds enough launches (cycling over the rotated inputs) for a replay to
+    last about 3 ms, so the replay's own overhead stays under a few percent."""
+    import torch
+    import tvm_ffi
+
+    with tvm_ffi.use_torch_stream():
+        for launch in launches:  # warm-up: module load, autotuners, torch.compile
+            launch()
+        torch.cuda.synchronize()
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for launch in launches:
+            launch()
+        stop.record()
+        stop.synchronize()
+    rough = max(start.elapsed_time(stop) / len(launches), 1e-3)
+    if not per_graph:
+        per_graph = int(min(max(3.0 / rough, len(launches)), 500))
+        per_graph = max(len(launches), per_graph - per_graph % len(launches))
+    if rough * per_graph > 50:
+        repeats = 5
+    try:
+        graph = torch.cuda.CUDAGraph()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            with tvm_ffi.use_torch_stream(torch.cuda.graph(graph, stream=stream)):
+                for i in range(per_graph):
+                    launches[i % len(launches)]()
+        torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+        run, count, method = graph.replay, per_graph, "graph"
+    except Exception:  # noqa: BLE001 - e.g. a peer that allocates while capturing
+        torch.cuda.synchronize()
+        count, method = per_graph, "loop"
+
+        def run():
+            with tvm_ffi.use_torch_stream():
+                for i in range(count):
+                    launches[i % len(launches)]()
+
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        run()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / count)
+    return statistics.median(times), method
+
+
+def time_cpu(run: Callable[[], None], repeats: int = 5) -> tuple[float, str]:
+    run()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times), "perf_counter"
+
+
+def copy_bandwidth_gpu(nbytes: int = 2 * 2**30) -> float:
+    """Device-to-device copy, bytes read plus written per second (GB/s)."""
+    import torch
+
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
+    dst = torch.empty_like(src)
+    ms, _ = time_gpu([lambda: dst.copy_(src)], repeats=10, per_graph=10)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def copy_bandwidth_cpu(nbytes: int = 512 * 2**20) -> float:
+    src = np.random.default_rng().random(nbytes // 8)
+    dst = np.empty_like(src)
+    ms, _ = time_cpu(lambda: np.copyto(dst, src), repeats=5)
+    return 2 * nbytes / (ms * 1e-3) / 1e9
+
+
+def empty_launch_gpu() -> float:
+    """One empty kernel launch, timed like the others (the floor for small inputs)."""
+    import tvm
+    from tvm import te
+
+    a = te.placeholder((1,), "float32", name="a")
+    b = te.compute((1,), lambda i: a[i], name="b")
+    from tvm import s_tir
+
+    sch = s_tir.Schedule(te.create_prim_func([a, b]))
+    (loop,) = sch.get_loops(sch.get_sblock("b"))
+    sch.bind(loop, "threadIdx.x")
+    ex = tvm.compile(sch.mod, target=targets.resolve("cuda"))
+    dev = tvm.cuda(0)
+    x, y = tvm.runtime.empty((1,), "float32", dev), tvm.runtime.empty((1,), "float32", dev)
+    func = ex["main"]
+    ms, _ = time_gpu([lambda: func(x, y)], repeats=20, per_graph=100)
+    return ms
+
+
+# -- providers -----------------------------------------------------------------------
+@dataclasses.dataclass
+class Provider:
+    """A way to compute the case: launches over the rotated inputs, and the results of
+    the first launch (after it ran) for the correctness check."""
+
+    name: str
+    launches: list[Callable[[], None]]
+    results: Callable[[], list[np.ndarray]]
+    rtol: float
+
+
+def _tvm_provider(name: str, kernel: Kernel, case: Case, sets: list[dict[str, Any]], on_gpu: bool) -> Provider:
+    import tvm
+    import tvm_ffi
+
+    dev = tvm.cuda(0) if on_gpu else tvm.cpu(0)
+    shapes = [shape for _, shape, _ in kernel.params[: kernel.num_inputs]]
+    calls, first_outs = [], None
+    for data in sets:
+        args = []
+        for value, shape in zip(data.values(), shapes):
+            t = tvm_ffi.from_dlpack(value) if on_gpu else tvm.runtime.tensor(value, dev)
+            args.append(t._create_view(shape))
+        outs = [tvm.runtime.empty(shape, dtype, dev) for _, shape, dtype in kernel.outputs]
+        first_outs = first_outs or outs
+        calls.append(lambda args=args, outs=outs: kernel(*args, *outs))
+
+    def results():
+        # The first output(s) a user reads: (mean, var) or the loss.
+        chosen = first_outs[:2] if kernel.problem.op == "bn_stats" else [first_outs[-2]]
+        return [o.numpy() for o in chosen]
+
+    return Provider(name, calls, results, rtol=1e-4)
+
+
+def _dlight_kernel(case: Case, target) -> Kernel:
+    """TVM's default GPU schedules (DLight) for the same compute: the TVM baseline."""
+    import tvm
+    from tvm.s_tir import dlight as dl
+
+    algorithm = "one_pass" if case.op == "bn_stats" else "three_pass"
+    mod = tvm.IRModule({"main": prim_func(case.problem, algorithm)})
+    with target:
+        mod = dl.ApplyDefaultSchedule(dl.gpu.Reduction(), dl.gpu.GeneralReduction(), dl.gpu.Fallback())(mod)
+        ex = tvm.compile(mod, target=target)
+    return Kernel(case.problem, target, "dlight_default", registry.Knobs(), "dlight", mod, ex)
+
+
+def _torch_providers(case: Case, torch_sets: list[dict[str, Any]]) -> list[Provider]:
+    import torch
+    import torch.nn.functional as F
+
+    problem = case.problem
+    o = dict(case.options)
+    providers = []
+    if isinstance(problem, BNStatsProblem):
+        if problem.channels_last and len(problem.input_shape) == 4:
+            views = [s["x"].permute(0, 3, 1, 2) for s in torch_sets]  # channels_last memory
+        else:
+            views = [s["x"].reshape(problem.input_shape[0], problem.channels, -1) if problem.channels_last is False else s["x"] for s in torch_sets]
+        dims = tuple(d for d in range(views[0].dim()) if d != 1)
+        eps = 1e-5
+        holder: dict[str, Any] = {}
+
+        def eager(v):
+            mean, invstd = torch.batch_norm_stats(v, eps)
+            holder.setdefault("eager", (mean, invstd))
+
+        def eager_results():
+            mean, invstd = holder["eager"]
+            return [mean.double().cpu().numpy(), (1.0 / invstd.double() ** 2 - eps).cpu().numpy()]
+
+        providers.append(Provider("torch eager", [lambda v=v: eager(v) for v in views], eager_results, rtol=2e-3))
+        compiled = torch.compile(lambda v: torch.var_mean(v.float(), dim=dims, correction=0), dynamic=False)
+
+        def compiled_run(v, first):
+            var, mean = compiled(v)
+            if first:
+                holder["compile"] = (mean, var)
+
+        providers.append(Provider(
+            "torch.compile", [lambda v=v, i=i: compiled_run(v, i == 0) for i, v in enumerate(views)],
+            lambda: [t.double().cpu().numpy() for t in holder["compile"]], rtol=2e-3,
+        ))
+        return providers
+
+    kwargs = dict(ignore_index=o.get("ignore_index", -100), reduction=o.get("reduction", "mean"),
+                  label_smoothing=o.get("label_smoothing", 0.0))
+    holder = {}
+
+    def ce_eager(s, first):
+        loss = F.cross_entropy(s["logits"], s["target"], s.get("weight"), **kwargs)
+        if first:
+            holder["eager"] = loss
+
+    rtol = 2e-3 if case.dtype == "float16" else (1.6e-2 if case.dtype == "bfloat16" else 1e-4)
+    providers.append(Provider(
+        "torch eager", [lambda s=s, i=i: ce_eager(s, i == 0) for i, s in enumerate(torch_sets)],
+        lambda: [holder["eager"].double().cpu().numpy().reshape(-1)], rtol,
+    ))
+    compiled = torch.compile(lambda x, t: F.cross_entropy(x, t, **kwargs), dynamic=False)
+
+    def ce_compiled(s, first):
+        loss = compiled(s["logits"], s["target"])
+        if first:
+            holder["compile"] = loss
+
+    if "weight" not in torch_sets[0]:
+        providers.append(Provider(
+            "torch.compile", [lambda s=s, i=i: ce_compiled(s, i == 0) for i, s in enumerate(torch_sets)],
+            lambda: [holder["compile"].double().cpu().numpy().reshape(-1)], rtol,
+        ))
+    try:
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+    except ImportError:
+        return providers
+    if o.get("reduction", "mean") == "mean" and "weight" not in torch_sets[0]:
+        # Liger writes the gradient over the logits in place: give it its own copies.
+        liger_sets = [s["logits"].clone() for s in torch_sets]
+        fresh = torch_sets[0]["logits"].clone()
+
+        def liger(x, t, first):
+            loss = LigerCrossEntropyFunction.apply(x, t, None, kwargs["ignore_index"], 0.0, kwargs["label_smoothing"], "mean")
+            loss = loss[0] if isinstance(loss, tuple) else loss
+            if first:
+                holder["liger"] = loss
+
+        def liger_results():
+            x = fresh.clone()
+            loss = LigerCrossEntropyFunction.apply(x, torch_sets[0]["target"], None, kwargs["ignore_index"], 0.0, kwargs["label_smoothing"], "mean")
+            loss = loss[0] if isinstance(loss, tuple) else loss
+            return [loss.double().cpu().numpy().reshape(-1)]
+
+        providers.append(Provider(
+            "Liger", [lambda x=x, s=s, i=i: liger(x, s["target"], i == 0) for i, (x, s) in enumerate(zip(liger_sets, torch_sets))],
+            liger_results, rtol,
+        ))
+    return providers
+
+
+# -- the run -------------------------------------------------------------------------
+def rotated_sets(case: Case, on_gpu: bool) -> int:
+    nbytes = case.problem.bytes_moved
+    return 1 if not on_gpu else max(1, min(MAX_COPIES, math.ceil(ROTATION_BYTES / nbytes)))
+
+
+def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: set[str] | None, log) -> list[Result]:
+    problem = case.problem
+    target = targets.resolve("cuda" if on_gpu else "llvm")
+    copies = rotated_sets(case, on_gpu)
+    results: list[Result] = []
+    bytes_moved = problem.bytes_moved
+
+    if on_gpu:
+        first = device_inputs(case)
+        torch_sets = [first] + [{k: v.clone() for k, v in first.items()} for _ in range(copies - 1)]
+        reference = [r.cpu().numpy() for r in torch_reference(case, first)]
+        tvm_sets = torch_sets
+    else:
+        host = make_inputs(case, gen)
+        reference = host_reference(case, host)
+        tvm_sets = [host]
+
+    def want(name: str) -> bool:
+        return providers is None or name in providers or name.split(":")[0] in providers
+
+    # Ours: every applicable candidate with its default knobs, and the dispatch pick.
+    ours: list[tuple[str, Kernel]] = []
+    choice = choose(problem, target)
+    for cand in registry.applicable(problem, target):
+        kernel = build_kernel(problem, target, cand.name)
+        ours.append((f"tvm_fusion:{cand.name}", kernel))
+    ours.append(("tvm_fusion (default)", build_kernel(problem, target, choice.candidate, choice.knobs, choice.source)))
+    plan: list[Provider] = []
+    for name, kernel in ours:
+        if want(name) or want("tvm_fusion"):
+            plan.append(_tvm_provider(name, kernel, case, tvm_sets, on_gpu))
+    if on_gpu:
+        if want("TVM DLight"):
+            try:
+                plan.append(_tvm_provider("TVM DLight", _dlight_kernel(case, target), case, tvm_sets, on_gpu))
+            except Exception as err:  # noqa: BLE001
+                results.append(Result(case, "TVM DLight", None, bytes_moved, "-", f"failed: {type(err).__name__}: {str(err)[:120]}"))
+        try:
+            plan.extend(p for p in _torch_providers(case, torch_sets) if want(p.name))
+        except Exception as err:  # noqa: BLE001
+            results.append(Result(case, "torch", None, bytes_moved, "-", f"failed: {str(err)[:120]}"))
+    else:
+        plan.append(_numpy_provider(case, tvm_sets[0]))
+
+    for provider in plan:
+        try:
+            provider.launches[0]()
+            if on_gpu:
+                import torch
+
+                torch.cuda.synchronize()
+            got = provider.results()
+            ok = True
+            worst = 0.0
+            for g, r in zip(got, reference):
+                good, err = close(g, r, provider.rtol)
+                ok, worst = ok and good, max(worst, err)
+            if not ok:
+                results.append(Result(case, provider.name, None, bytes_moved, "-", f"wrong: worst rel err {worst:.3g}"))
+                log(f"  {provider.name:<48} WRONG (worst rel err {worst:.3g})")
+                continue
+            ms, method = time_gpu(provider.launches) if on_gpu else time_cpu(provider.launches[0])
+            results.append(Result(case, provider.name, ms, bytes_moved, method, "ok"))
+            log(f"  {provider.name:<48} {ms:9.4f} ms  {bytes_moved / ms / 1e6:8.1f} GB/s  ({method})")
+        except Exception as err:  # noqa: BLE001 - report and go on with the others
+            if on_gpu:
+                import torch
+
+                torch.cuda.synchronize()
+            results.append(Result(case, provider.name, None, bytes_moved, "-", f"failed: {type(err).__name__}: {str(err)[:160]}"))
+            log(f"  {provider.name:<48} FAILED {type(err).__name__}: {str(err)[:160]}")
+    return results
+
+
+def _numpy_provider(case: Case, host: dict[str, np.ndarray]) -> Provider:
+    problem = case.problem
+    holder: dict[str, Any] = {}
+    if isinstance(problem, BNStatsProblem):
+        x = host["x"]
+        axes = (0,) if problem.channels_last else (0, 2)
+        view = x.reshape(problem.shape)
+
+        def run():
+            holder["out"] = [view.mean(axis=axes), view.var(axis=axes)]
+    else:
+        logits, target = host["logits"], host["target"]
+
+        def run():
+            # numpy's log-sum-exp and the same loss: max, exp(x - max), sum, log, gather.
+            row_max = logits.max(axis=1, keepdims=True)
+            lse = np.log(np.exp(logits - row_max).sum(axis=1)) + row_max[:, 0]
+            valid = target != problem.ignore_index
+            picked = logits[np.arange(problem.batch), np.where(valid, target, 0)]
+            holder["out"] = [np.asarray(np.where(valid, lse - picked, 0.0).sum() / valid.sum())]
+
+    return Provider("numpy", [run], lambda: holder["out"], rtol=1e-4)
+
+
+def summarize(results: list[Result], copy_gb_s: float, log) -> None:
+    by_case: dict[Case, list[Result]] = {}
+    for r in results:
+        by_case.setdefault(r.case, []).append(r)
+    header = f"{'case':<40} {'provider':<48} {'ms':>9} {'GB/s':>8} {'copy%':>6} {'vs best peer':>12}"
+    log("\n" + header + "\n" + "-" * len(header))
+    for case, rows in by_case.items():
+        peers = [r.median_ms for r in rows if r.provider in PEERS + ("numpy",) and r.median_ms]
+        best_peer = min(peers) if peers else None
+        for r in rows:
+            if r.median_ms is None:
+                log(f"{case.label():<40} {r.provider:<48} {r.status}")
+                continue
+            speedup = f"{best_peer / r.median_ms:11.2f}x" if best_peer else ""
+            log(f"{case.label():<40} {r.provider:<48} {r.median_ms:9.4f} {r.gb_s:8.1f} "
+                f"{100 * r.gb_s / copy_gb_s:5.1f}% {speedup}")
+
+
+def append_csv(results: list[Result], path: str, hardware: str, copy_gb_s: float) -> None:
+    new = not os.path.exists(path)
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    version = version_string()
+    with open(path, "a", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
+        if new:
+            writer.writeheader()
+        writer.writerow(dict(hardware=hardware, date=date, version=version, op="copy", shape="",
+                             dtype="", options="", provider="device copy", median_ms="",
+                             gb_s=f"{copy_gb_s:.1f}", frac_copy="1.000", method="", status="ok"))
+        for r in results:
+            writer.writerow(dict(
+                hardware=hardware, date=date, version=version, op=r.case.op,
+                shape="x".join(map(str, r.case.shape)), dtype=r.case.dtype,
+                options=";".join(f"{k}={v}" for k, v in r.case.options), provider=r.provider,
+                median_ms="" if r.median_ms is None else f"{r.median_ms:.5f}",
+                gb_s="" if r.gb_s is None else f"{r.gb_s:.1f}",
+                frac_copy="" if r.gb_s is None else f"{r.gb_s / copy_gb_s:.3f}",
+                method=r.method, status=r.status,
+            ))
+
+
+def plot(results: list[Result], folder: str, copy_gb_s: float, hardware: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    for op in sorted({r.case.op for r in results}):
+        rows = [r for r in results if r.case.op == op and r.gb_s]
+        if not rows:
+            continue
+        cases = list(dict.fromkeys(r.case for r in rows))
+        providers = list(dict.fromkeys(r.provider for r in rows if not r.provider.startswith("tvm_fusion:")))
+        fig, ax = plt.subplots(figsize=(max(6, 1.8 * len(cases)), 4), dpi=80)
+        width = 0.8 / max(len(providers), 1)
+        for j, provider in enumerate(providers):
+            values = [next((r.gb_s for r in rows if r.case == c and r.provider == provider), 0) for c in cases]
+            ax.bar([i + j * width for i in range(len(cases))], values, width, label=provider)
+        ax.axhline(copy_gb_s, color="black", linestyle="--", linewidth=1, label="device copy")
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cases))])
+        ax.set_xticklabels(["x".join(map(str, c.shape)) + f"\n{c.dtype}" for c in cases], fontsize=8)
+        ax.set_ylabel("GB/s (bytes read once / time)")
+        ax.set_title(f"{op} on {hardware}")
+        ax.legend(fontsize=7, ncol=2)
+        fig.tight_layout()
+        path = os.path.join(folder, f"bench_{op}.png")
+        fig.savefig(path)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def run(cases: list[Case] | None = None, device: str | None = None, csv_path: str | None = None,
+        plots: str | None = None, providers: set[str] | None = None, log=print) -> list[Result]:
+    on_gpu = gpu_available() if device is None else device == "cuda"
+    if on_gpu and not gpu_available():
+        raise RuntimeError("bench: --device cuda asked for, but torch sees no CUDA GPU")
+    cases = cases or (GPU_CASES if on_gpu else CPU_CASES)
+    hardware = hardware_name(on_gpu)
+    gen = np.random.default_rng()
+    copy_gb_s = copy_bandwidth_gpu() if on_gpu else copy_bandwidth_cpu()
+    log(f"{hardware}: device copy {copy_gb_s:.1f} GB/s (read + write); {version_string()}")
+    results: list[Result] = []
+    if on_gpu:
+        empty_ms = empty_launch_gpu()
+        log(f"empty kernel launch: {empty_ms * 1e3:.2f} us")
+        results.append(Result(Case("empty_kernel", (1,), "float32"), "empty launch", empty_ms, 0, "graph", "ok"))
+    for case in cases:
+        log(f"{case.label()}: {case.problem.bytes_moved / 1e6:.1f} MB moved at least")
+        results.extend(bench_case(case, on_gpu, gen, providers, log))
+    summarize([r for r in results if r.case.op != "empty_kernel"], copy_gb_s, log)
+    if csv_path:
+        append_csv(results, csv_path, hardware, copy_gb_s)
+        log(f"appended {len(results) + 1} rows to {csv_path}")
+    if plots:
+        os.makedirs(plots, exist_ok=True)
+        for path in plot([r for r in results if r.case.op != "empty_kernel"], plots, copy_gb_s, hardware):
+            log(f"wrote {path}")
+    return results
