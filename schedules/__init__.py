@@ -6,13 +6,28 @@ tried when there is no tuning record: most specific first, fallback last.
 """
 
 from .cpu import bn_stats_parallel, cross_entropy_parallel  # noqa: F401
-from .cuda import bn_stats_block_per_channel, cross_entropy_block_per_row  # noqa: F401
+from .cuda import (  # noqa: F401
+    bn_stats_block_per_channel,
+    bn_stats_channels_last,
+    bn_stats_split_plane,
+    bn_stats_warp_per_channel,
+    cross_entropy_block_per_row,
+    cross_entropy_online,
+    cross_entropy_row_in_registers,
+    cross_entropy_warp_per_row,
+)
 
 DISPATCH_ORDER = {
     ("bn_stats", "cuda"): [
+        "bn_stats_channels_last",
+        "bn_stats_split_plane",
+        "bn_stats_warp_per_channel",
         "bn_stats_block_per_channel",
     ],
     ("cross_entropy", "cuda"): [
+        "cross_entropy_warp_per_row",
+        "cross_entropy_row_in_registers",
+        "cross_entropy_online",
         "cross_entropy_block_per_row",
     ],
     ("bn_stats", "llvm"): [

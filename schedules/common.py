@@ -39,6 +39,40 @@ def read_index(sch: s_tir.Schedule, block: SBlockRV, buffer_name: str) -> int:
     return names.index(buffer_name)
 
 
+def lanes_split(
+    sch: s_tir.Schedule,
+    block: SBlockRV,
+    keep_outer: int,
+    threads: Any,
+    vector: Any,
+    unroll_step: Any,
+    thread_axis: str = "threadIdx.x",
+) -> tuple[LoopRV, LoopRV, LoopRV]:
+    """Lay the block's inner loops out as ``[threadIdx, serial, vector]``.
+
+    The innermost loop is split by ``vector`` (which divides it, so a vector never
+    straddles a row or plane), the rest fused and split ``[serial, threadIdx]``: in
+    each serial step consecutive lanes touch consecutive ``vector``-wide chunks
+    (coalesced 16-byte accesses when ``vector * bytes == 16``). Returns the loops."""
+    *outer, inner = sch.get_loops(block)[keep_outer:]
+    inner, vec = sch.split(inner, [None, vector])
+    fused = sch.fuse(*outer, inner) if outer else inner
+    serial, lane = sch.split(fused, [None, threads])
+    sch.reorder(lane, serial, vec)
+    sch.bind(lane, thread_axis)
+    unroll(sch, serial, unroll_step)
+    return lane, serial, vec
+
+
+def stage_in_registers(sch: s_tir.Schedule, block: SBlockRV, buffer_name: str, at: LoopRV) -> SBlockRV:
+    """Load the block's reads of ``buffer_name`` for one step of loop ``at`` into
+    registers first (``cache_read`` to ``local``), with vector loads."""
+    stage = sch.cache_read(block, read_index(sch, block, buffer_name), "local", consumer_blocks=[block])
+    sch.compute_at(stage, at, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(stage)[-1])
+    return stage
+
+
 def thread_reduce(
     sch: s_tir.Schedule,
     block: SBlockRV,
@@ -51,26 +85,18 @@ def thread_reduce(
 ) -> tuple[LoopRV, LoopRV]:
     """Reduce the block's inner loops across ``threads`` lanes, ``vector`` values a load.
 
-    The innermost loop is split by ``vector`` (which divides it, so a vector never
-    straddles a row or plane), the rest fused and split ``[serial, threadIdx]``, and
-    the loops ordered ``[threadIdx, serial, vector]``: in each serial step consecutive
-    lanes read consecutive ``vector``-wide chunks (coalesced 16-byte loads when
-    ``vector * bytes == 16``, at constant offsets in registers); the input is staged through registers
-    (``cache_read`` of buffer ``staged`` to ``local``, vectorized), and the cross-thread step is lowered by
-    TVM to ``__shfl_down_sync`` within a warp and shared memory across warps.
-    Returns ``(thread_loop, serial_loop)``.
-    """
-    *outer, inner = sch.get_loops(block)[keep_outer:]
-    inner, vec = sch.split(inner, [None, vector])
-    fused = sch.fuse(*outer, inner) if outer else inner
-    serial, lane = sch.split(fused, [None, threads])
-    sch.reorder(lane, serial, vec)
-    sch.bind(lane, thread_axis)
-    stage = sch.cache_read(block, read_index(sch, block, staged), "local", consumer_blocks=[block])
-    sch.compute_at(stage, serial, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(stage)[-1])
-    unroll(sch, serial, unroll_step)
+    :func:`lanes_split`, then the input ``staged`` goes through registers with vector
+    loads (:func:`stage_in_registers`); TVM lowers the cross-thread step to
+    ``__shfl_down_sync`` within a warp and shared memory across warps.
+    Returns ``(thread_loop, serial_loop)``."""
+    lane, serial, _ = lanes_split(sch, block, keep_outer, threads, vector, unroll_step, thread_axis)
+    stage_in_registers(sch, block, staged, serial)
     return lane, serial
+
+
+def knob_value(sch: s_tir.Schedule, knob: Any) -> int:
+    """The value of a knob: an int, or a sampled ExprRV of a concrete schedule."""
+    return knob if isinstance(knob, int) else int(sch.get(knob))
 
 
 def single_thread(

@@ -49,6 +49,10 @@ class Candidate:
     target_kind: ClassVar[str]
     algorithm: ClassVar[str]
     knobs: ClassVar[type[Knobs]]
+    # What the generated code shows (checked by tests/test_cuda_codegen.py):
+    # "shuffles" (warp shuffles), "vector_loads" (16-byte loads where the vector
+    # knob times the element size is 16 bytes), "atomics".
+    claims: ClassVar[dict[str, bool]] = {}
 
     # -- predicate and knobs ---------------------------------------------------
     def applies(self, problem: Problem) -> bool:

@@ -52,6 +52,7 @@ class BNStatsBlockPerChannel(Candidate):
     target_kind = "cuda"
     algorithm = "shifted"
     knobs = BlockPerChannelKnobs
+    claims = {"shuffles": True, "vector_loads": True}
 
     def _contiguous(self, problem: BNStatsProblem) -> int:
         return 1 if problem.channels_last else problem.shape[2]

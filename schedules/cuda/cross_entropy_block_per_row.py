@@ -52,6 +52,7 @@ class CrossEntropyBlockPerRow(Candidate):
     target_kind = "cuda"
     algorithm = "three_pass"
     knobs = BlockPerRowKnobs
+    claims = {"shuffles": True, "vector_loads": True}
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
         return {

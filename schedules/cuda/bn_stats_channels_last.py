@@ -1,0 +1,115 @@
+"""Channels-last: lanes on consecutive channels, 16-byte loads, per-thread partials.
+
+Pattern ``x(RS) -> (sum, sumsq)[p, c](SS) -> (sum, sumsq)(S) -> mean, var`` on
+the ``(M, C)`` view (NHWC, (N, L, C), (N, C)), the ``shifted`` decomposition. For
+every channels-last input: a row of x is C contiguous values, so a warp reading
+one row with 16-byte loads is fully coalesced and no lane ever needs another's
+value until the very end.
+
+Kernel 1, grid (splits, channel groups), block (channel lanes, rows):
+1. Rows are dealt out ``m = (s J + j) R + r``: block ``s`` owns a run of rows,
+   ``threadIdx.y = r`` takes every R-th, so the R rows in flight are contiguous.
+   The partial index ``p = (s, r)`` is rfactored out (``moments_rf``, C x P float32
+   pairs, channel-major so kernel 2 reads each channel's partials contiguously).
+2. ``threadIdx.x`` owns ``vector`` consecutive channels (one 16-byte load per row,
+   staged in registers) and accumulates ``d = x - K[c]`` and ``d^2`` in registers
+   over its rows (``cache_write`` to ``local``), writing its partials once.
+Kernel 2, grid (C,):
+3. One block per channel sums its P partials across lanes (``__shfl_down_sync``)
+   and thread 0 writes mean and var.
+
+Not used: a cross-thread reduction over rows inside kernel 1 (rows sit on
+``threadIdx.y``, so it would go through shared memory for every channel vector).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from tvm_fusion.contracts import BNStatsProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, Knobs, register
+
+from ..common import lanes_split, read_index, single_thread, unroll
+from .common import MAX_THREADS, vector_choices
+
+SMS = 132
+FINALIZE_THREADS = 128
+
+
+@dataclass(frozen=True)
+class ChannelsLastKnobs(Knobs):
+    splits: int = 132  # blocks along M
+    rows: int = 4  # threadIdx.y
+    channel_lanes: int = 32  # threadIdx.x: channel vectors per block
+    vector: int = 8
+    unroll: int = 4
+
+
+@register
+class BNStatsChannelsLast(Candidate):
+    name = "bn_stats_channels_last"
+    op = "bn_stats"
+    target_kind = "cuda"
+    algorithm = "shifted"
+    knobs = ChannelsLastKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: BNStatsProblem) -> bool:
+        return problem.op == self.op and problem.channels_last
+
+    def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
+        vectors = vector_choices(DTYPE_BYTES[problem.dtype], problem.channels)
+        return {
+            "splits": [33, 66, 132, 264, 528],
+            "rows": [1, 2, 4, 8, 16],
+            "channel_lanes": [8, 16, 32, 64, 128, 256],
+            "vector": vectors,
+            "unroll": [1, 2, 4, 8],
+        }
+
+    def default_for(self, problem: BNStatsProblem, target: Target) -> ChannelsLastKnobs:
+        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.channels))
+        lanes = 1
+        while lanes * vector < problem.channels and lanes < 256:
+            lanes *= 2
+        rows = max(1, min(16, 256 // lanes))
+        groups = -(-problem.channels // (lanes * vector))
+        splits = max(1, min(4 * SMS // groups, problem.shape[0] // (rows * 8) or 1))
+        return ChannelsLastKnobs(splits=splits, rows=rows, channel_lanes=lanes, vector=vector, unroll=4)
+
+    def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:
+        moments = sch.get_sblock("moments")
+        stage = sch.cache_read(moments, read_index(sch, moments, "x"), "local", consumer_blocks=[moments])
+        sch.compute_inline(sch.get_sblock("shift"))  # after the stage: K[c] is read apart
+        # 1. Rows dealt out to (block s, lane r); p = (s, r) rfactored out.
+        channel, row = sch.get_loops(moments)
+        run, step, lane_row = sch.split(row, [knobs.splits, None, knobs.rows])
+        sch.reorder(channel, run, lane_row, step)
+        partial = sch.rfactor(sch.fuse(run, lane_row), factor_axis=1)
+        write_backs = [sch.cache_write(partial, index, "local") for index in range(2)]
+        channel, p, step = sch.get_loops(partial)
+        run, lane_row = sch.split(p, [knobs.splits, knobs.rows])
+        group, lane, vec = sch.split(channel, [None, knobs.channel_lanes, knobs.vector])
+        sch.reorder(run, group, lane_row, lane, step, vec)
+        sch.bind(run, "blockIdx.x")
+        sch.bind(group, "blockIdx.y")
+        sch.bind(lane_row, "threadIdx.y")
+        sch.bind(lane, "threadIdx.x")
+        # 2. Accumulate in registers, 16-byte loads of `vector` channels a row. The
+        # arithmetic stays scalar: TVM's CUDA codegen has no float32x8 type.
+        for write_back in write_backs:
+            sch.reverse_compute_at(write_back, lane)
+        sch.compute_at(stage, step, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(stage)[-1])
+        unroll(sch, step, knobs.unroll)
+        # 3. Kernel 2: a block per channel sums its partials.
+        mean, var = sch.get_sblock("mean"), sch.get_sblock("var")
+        final = sch.merge(sch.get_loops(mean)[0], sch.get_loops(var)[0])
+        sch.bind(final, "blockIdx.x")
+        sch.compute_at(moments, final)
+        lanes_split(sch, moments, 1, FINALIZE_THREADS, 1, 1)
+        single_thread(sch, mean, FINALIZE_THREADS)
+        single_thread(sch, var, FINALIZE_THREADS)

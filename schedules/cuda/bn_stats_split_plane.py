@@ -1,0 +1,109 @@
+"""Each channel split across several blocks: partial sums, then a finalize kernel.
+
+Pattern ``x(SRR) -> (sum, sumsq)[split, c](SS) -> (sum, sumsq)(S) -> mean, var``:
+the ``shifted`` decomposition with the (n, l) reduction rfactored over ``splits``
+blocks per channel. For few channels with large planes (C < 2 x SMs), e.g.
+8x3x224x224 (3 channels: a block per channel would use 3 of 132 SMs) and
+32x64x112x112 (64 channels).
+
+Kernel 1, grid (C, splits): Stage 1 of Triton's layer-norm backward, here forward.
+1. L is split by ``vector``, (n, l_outer) fused and cut into ``splits`` equal runs,
+   the run index rfactored out (``moments_rf``, a (splits, C) pair of float32
+   partials in global memory: the workspace).
+2. Each block reduces its run ``[threadIdx.x, serial, vector]``, x staged through
+   registers with 16-byte loads, ``d = x - K[c]`` accumulated in float32, then
+   ``__shfl_down_sync`` and one shared-memory hop.
+Kernel 2, grid (C,): Stage 2.
+3. One block per channel sums the ``splits`` partials across its lanes (shuffles)
+   and thread 0 writes mean and var. The shift K[c] = x[0, c, 0] is read where used.
+
+Not used: atomicAdd of the partials into (sum, sumsq) (order-dependent results and a
+zeroing pass); a single persistent kernel with a grid barrier (TensorIR has no
+grid-wide sync).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from tvm_fusion.contracts import BNStatsProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, Knobs, register
+
+from ..common import lanes_split, read_index, single_thread, unroll
+from .common import vector_choices
+
+SMS = 132  # H200
+BLOCKS_WANTED = 4 * SMS  # enough resident blocks that every SM keeps loads in flight
+FINALIZE_THREADS = 128
+
+
+@dataclass(frozen=True)
+class SplitPlaneKnobs(Knobs):
+    splits: int = 8
+    threads: int = 256
+    vector: int = 8
+    unroll: int = 8
+
+
+@register
+class BNStatsSplitPlane(Candidate):
+    name = "bn_stats_split_plane"
+    op = "bn_stats"
+    target_kind = "cuda"
+    algorithm = "shifted"
+    knobs = SplitPlaneKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: BNStatsProblem) -> bool:
+        return problem.op == self.op and not problem.channels_last
+
+    def prefers(self, problem: BNStatsProblem) -> bool:
+        return problem.channels < 2 * SMS and problem.count >= 16384
+
+    def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
+        return {
+            "splits": [2, 4, 8, 16, 32, 64, 128],
+            "threads": [128, 256, 512],
+            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
+            "unroll": [1, 4, 8, 16],
+        }
+
+    def default_for(self, problem: BNStatsProblem, target: Target) -> SplitPlaneKnobs:
+        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]))
+        splits = 2
+        while problem.channels * splits < BLOCKS_WANTED and splits < 128:
+            splits *= 2
+        per_block = problem.count // (splits * vector)
+        threads = 512 if per_block >= 512 * 8 else (256 if per_block >= 256 * 2 else 128)
+        return SplitPlaneKnobs(splits=splits, threads=threads, vector=vector, unroll=8)
+
+    def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:
+        moments = sch.get_sblock("moments")
+        stage = sch.cache_read(moments, read_index(sch, moments, "x"), "local", consumer_blocks=[moments])
+        # 1. (n, l / vector) cut into `splits` runs, the run index rfactored out.
+        channel, n, l = sch.get_loops(moments)
+        l_outer, vec = sch.split(l, [None, knobs.vector])
+        run, within = sch.split(sch.fuse(n, l_outer), [knobs.splits, None])
+        partial = sch.rfactor(run, factor_axis=0)
+        # 2. Kernel 1: a block per (channel, run).
+        channel, run, within, vec = sch.get_loops(partial)
+        sch.bind(channel, "blockIdx.x")
+        sch.bind(run, "blockIdx.y")
+        serial, lane = sch.split(within, [None, knobs.threads])
+        sch.reorder(lane, serial, vec)
+        sch.bind(lane, "threadIdx.x")
+        unroll(sch, serial, knobs.unroll)
+        sch.compute_at(stage, serial, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(stage)[-1])
+        # 3. Kernel 2: a block per channel sums the partials and writes mean, var.
+        mean, var = sch.get_sblock("mean"), sch.get_sblock("var")
+        final = sch.merge(sch.get_loops(mean)[0], sch.get_loops(var)[0])
+        sch.bind(final, "blockIdx.x")
+        sch.compute_at(moments, final)  # no unit loop left below the partials' loop
+        lanes_split(sch, moments, 1, FINALIZE_THREADS, 1, 1)
+        sch.compute_inline(sch.get_sblock("shift"))
+        single_thread(sch, mean, FINALIZE_THREADS)
+        single_thread(sch, var, FINALIZE_THREADS)

@@ -1,0 +1,189 @@
+"""GPU: every CUDA candidate whose predicate says it applies is correct there.
+
+Each candidate runs on the shapes of DESIGN.md's table and on awkward ones, with
+outputs poisoned (NaN) first, against a float64 reference computed by torch on the
+device. Why each awkward shape is here:
+
+* C=3 (8x3x224x224): fewer channels than SMs, huge planes (grid-reduction candidates).
+* H*W prime (8x32x1009): no vector width divides the plane.
+* NHWC: channels-last candidates, consecutive lanes on consecutive channels.
+* V=50257 (GPT-2) and V=151936 (Qwen): odd and huge rows; 50257 allows no 16-byte vector.
+* B=1: one row, one block busy (split-row candidates).
+* all targets ignored: the mean is NaN, as in torch.
+* 16384x151936 bf16: 2.5e9 elements, past 2^31: 64-bit offsets.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+import tvm_fusion as tf
+from helpers import TOLERANCES, has_gpu, torch_or_none
+from tvm_fusion import registry, targets
+from tvm_fusion.kernel import build_kernel
+
+pytestmark = pytest.mark.gpu
+torch = torch_or_none()
+
+BN_SHAPES = [
+    ((64, 256, 56, 56), "NCHW"), ((32, 64, 112, 112), "NCHW"), ((256, 2048, 7, 7), "NCHW"),
+    ((8, 3, 224, 224), "NCHW"), ((8, 32, 1009), "NCHW"), ((32, 56, 56, 64), "NHWC"),
+    ((64, 7, 7, 2048), "NHWC"), ((1, 3, 5, 5), "NCHW"), ((1000, 3), "NCHW"),
+]
+CE_SHAPES = [
+    ((4096, 32000), {}), ((8192, 128256), {}), ((65536, 1000), {}), ((16384, 50257), {}),
+    ((128, 32000), {}), ((1, 151936), {}), ((3, 50257), {"reduction": "none"}),
+    ((257, 1000), {"weight": True, "label_smoothing": 0.1, "target_dtype": "int32"}),
+    ((64, 32000), {"reduction": "sum", "label_smoothing": 0.2}),
+]
+DTYPES = ["float16", "bfloat16", "float32"]
+
+
+def cuda_target():
+    return targets.resolve("cuda")
+
+
+def bn_cases():
+    for shape, layout in BN_SHAPES:
+        for dtype in DTYPES:
+            problem = tf.make_problem("bn_stats", shape, dtype, layout=layout)
+            for cand in registry.applicable(problem, targets.resolve({"kind": "cuda", "arch": "sm_90"})):
+                yield pytest.param(shape, layout, dtype, cand.name, id=f"{cand.name}-{problem.key()}")
+
+
+def ce_cases():
+    for shape, options in CE_SHAPES:
+        for dtype in DTYPES:
+            if shape[0] * shape[1] > 2**28 and dtype != "bfloat16":
+                continue  # the big rows once, in the dtype the table uses
+            problem = tf.make_problem("cross_entropy", shape, dtype, **options)
+            for cand in registry.applicable(problem, targets.resolve({"kind": "cuda", "arch": "sm_90"})):
+                yield pytest.param(shape, tuple(sorted(options.items())), dtype, cand.name, id=f"{cand.name}-{problem.key()}")
+
+
+@functools.lru_cache(maxsize=4)
+def bn_data(shape, layout, dtype):
+    x = (torch.randn(shape, device="cuda") * 1.5 + 0.3).to(getattr(torch, dtype))
+    problem = tf.make_problem("bn_stats", shape, dtype, layout=layout)
+    view = x.double().reshape(problem.shape)
+    var, mean = torch.var_mean(view, dim=(0,) if problem.channels_last else (0, 2), correction=0)
+    return x, mean.cpu().numpy(), var.cpu().numpy()
+
+
+@functools.lru_cache(maxsize=2)
+def ce_data(shape, options, dtype):
+    o = dict(options)
+    batch, classes = shape
+    logits = (torch.randn(shape, device="cuda") * 2).to(getattr(torch, dtype))
+    target = torch.randint(0, classes, (batch,), device="cuda", dtype=getattr(torch, o.get("target_dtype", "int64")))
+    target[torch.rand(batch, device="cuda") < 0.1] = -100
+    weight = torch.rand(classes, device="cuda") + 0.5 if o.get("weight") else None
+    ref = torch.nn.functional.cross_entropy(
+        logits.double(), target.long(), None if weight is None else weight.double(),
+        reduction=o.get("reduction", "mean"), label_smoothing=o.get("label_smoothing", 0.0),
+    )
+    return logits, target, weight, ref.reshape(-1).cpu().numpy()
+
+
+def run_kernel(kernel, inputs):
+    """Launch with NaN-poisoned outputs (first_bad_row poisoned with -7777)."""
+    import tvm_ffi
+
+    args = [tvm_ffi.from_dlpack(t)._create_view(shape) for t, (_, shape, _) in zip(inputs, kernel.params)]
+    outs = []
+    for _, shape, dtype in kernel.outputs:
+        fill = -7777 if dtype.startswith("int") else float("nan")
+        outs.append(torch.full(shape, fill, dtype=getattr(torch, dtype), device="cuda"))
+    with tvm_ffi.use_torch_stream():
+        kernel(*args, *(tvm_ffi.from_dlpack(o) for o in outs))
+    torch.cuda.synchronize()
+    return [o.cpu().numpy() for o in outs]
+
+
+def rel_err(actual, expected, scale):
+    actual, expected = np.asarray(actual, np.float64), np.asarray(expected, np.float64)
+    assert np.array_equal(np.isnan(actual), np.isnan(expected)), (actual[:8], expected[:8])
+    mask = ~np.isnan(expected)
+    return float(np.max(np.abs(actual[mask] - expected[mask]) / scale, initial=0.0))
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, layout, dtype, candidate", list(bn_cases()))
+def test_bn_stats_candidate_on_gpu(shape, layout, dtype, candidate):
+    x, ref_mean, ref_var = bn_data(shape, layout, dtype)
+    problem = tf.make_problem("bn_stats", shape, dtype, layout=layout)
+    kernel = build_kernel(problem, cuda_target(), candidate)
+    mean, var = run_kernel(kernel, [x])
+    std = float(np.sqrt(ref_var.max()))
+    tol = 4 * TOLERANCES[dtype]["atol"]
+    assert rel_err(mean, ref_mean, std) < tol
+    assert rel_err(var, ref_var, ref_var.max()) < tol
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, options, dtype, candidate", list(ce_cases()))
+def test_cross_entropy_candidate_on_gpu(shape, options, dtype, candidate):
+    logits, target, weight, ref = ce_data(shape, options, dtype)
+    problem = tf.make_problem("cross_entropy", shape, dtype, **dict(options))
+    kernel = build_kernel(problem, cuda_target(), candidate)
+    outs = run_kernel(kernel, [logits, target] + ([weight] if weight is not None else []))
+    loss, first_bad = outs[-2], outs[-1]
+    assert first_bad[0] == shape[0]
+    scale = max(1.0, float(np.nanmax(np.abs(ref))))
+    assert rel_err(loss.reshape(-1), ref, scale) < 4 * TOLERANCES[dtype]["rtol"] * np.log2(shape[1] + 2)
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_past_two_to_the_31_elements_bf16():
+    shape = (16384, 151936)
+    logits, target, _, ref = ce_data(shape, (), "bfloat16")
+    loss = tf.cross_entropy(logits, target)
+    assert abs(loss.item() - ref[0]) / abs(ref[0]) < 1e-4
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_all_rows_ignored_mean_is_nan_on_gpu():
+    logits = torch.randn(64, 1000, device="cuda")
+    target = torch.full((64,), -100, device="cuda")
+    assert torch.isnan(tf.cross_entropy(logits, target)).item()
+    assert tf.cross_entropy(logits, target, reduction="sum").item() == 0.0
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_api_with_torch_cuda_tensors_equals_torch(dtype):
+    F = torch.nn.functional
+    x = (torch.randn(16, 32, 14, 14, device="cuda") + 0.5).to(getattr(torch, dtype))
+    mean, var = tf.bn_stats(x)
+    assert mean.device.type == "cuda" and mean.dtype == torch.float32
+    ref_var, ref_mean = torch.var_mean(x.float(), dim=(0, 2, 3), correction=0)
+    torch.testing.assert_close(mean, ref_mean, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(var, ref_var, rtol=1e-4, atol=1e-5)
+    xl = x.permute(0, 2, 3, 1).contiguous()
+    mean_l, var_l = tf.bn_stats(xl, layout="NHWC")
+    torch.testing.assert_close(mean_l, ref_mean, rtol=1e-4, atol=1e-5)
+
+    logits = torch.randn(512, 32000, device="cuda").to(getattr(torch, dtype))
+    target = torch.randint(0, 32000, (512,), device="cuda")
+    target[::7] = -100
+    weight = torch.rand(32000, device="cuda")
+    for reduction in ("none", "mean", "sum"):
+        for smoothing in (0.0, 0.1):
+            ours = tf.cross_entropy(logits, target, weight, reduction=reduction, label_smoothing=smoothing)
+            theirs = F.cross_entropy(logits.float(), target, weight, reduction=reduction, label_smoothing=smoothing)
+            assert ours.device.type == "cuda" and ours.shape == theirs.shape
+            torch.testing.assert_close(ours, theirs, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_runs_on_torch_current_stream():
+    stream = torch.cuda.Stream()
+    logits = torch.randn(4096, 32000, device="cuda", dtype=torch.float16)
+    target = torch.randint(0, 32000, (4096,), device="cuda")
+    with torch.cuda.stream(stream):
+        loss = tf.cross_entropy(logits, target, check_targets=False)
+    stream.synchronize()
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.float(), target), rtol=1e-4, atol=1e-4)
