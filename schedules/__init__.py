@@ -13,7 +13,7 @@ from .cuda import (  # noqa: F401
     bn_stats_warp_per_channel,
     cross_entropy_block_per_row,
     cross_entropy_online,
-    cross_entropy_row_in_registers,
+    cross_entropy_row_in_shared,
     cross_entropy_warp_per_row,
 )
 
@@ -26,7 +26,7 @@ DISPATCH_ORDER = {
     ],
     ("cross_entropy", "cuda"): [
         "cross_entropy_warp_per_row",
-        "cross_entropy_row_in_registers",
+        "cross_entropy_row_in_shared",
         "cross_entropy_online",
         "cross_entropy_block_per_row",
     ],

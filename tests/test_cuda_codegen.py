@@ -26,7 +26,7 @@ CE_CASES = [((4096, 32000), {}), ((128, 32000), {"reduction": "none"}), ((64, 50
 
 def kernel_params(source: str) -> set[str]:
     names = set()
-    for sig in re.findall(r'extern "C" __global__ void[^(]*\(([^)]*)\)', source):
+    for sig in re.findall(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?\w+\(([^)]*)\)', source):
         names.update(re.findall(r"(\w+)_ptr\b", sig))
     return names
 

@@ -132,10 +132,12 @@ def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass"
         j = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, chunks)), name="j")
 
         def online_body(i):
-            return reducer((chunk_max[i, j],) + tuple(t[i, j] for t in chunk_stats), axis=j)
+            return reducer(
+                (chunk_stats[0][i, j], chunk_max[i, j]) + tuple(t[i, j] for t in chunk_stats[1:]), axis=j
+            )
 
         stats = te.compute(rows, online_body, name="row_online")
-        row_max, row_sumexp, extra = stats[0], stats[1], list(stats[2:])
+        row_sumexp, row_max, extra = stats[0], stats[1], list(stats[2:])
 
     # 3. Scalar transform per row.
     ignore = problem.ignore_index

@@ -91,21 +91,26 @@ BATCH_SUMS = tuple_reducer(("sum", "sum", "min"), name="batch_sums")
 
 
 def online_logsumexp(extra_sums: int = 0) -> te.CommReducer:
-    """Reducer over ``(m, s, *sums)``: running max, rescaled sum of exp, plain sums.
+    """Reducer over ``(s, m, *sums)``: rescaled sum of exp, running max, plain sums.
 
-    An element ``x`` enters as ``(x, 1, ...)``. The identity uses the lowest finite
-    float32 rather than -inf so that combining two identities gives ``0 * e^0 = 0``
-    instead of ``0 * e^(-inf + inf) = NaN``; an element that is NaN or +inf still
-    turns ``s`` into NaN through ``e^(x - m)``, as torch's logsumexp does.
+    The sum comes first on purpose: TVM's cross-thread lowering updates the
+    components of a tuple one after another in place, so a component may only
+    depend on the ones after it (argmax orders (index, value) for the same reason).
+    ``s`` needs the old ``m``; ``m`` needs nothing else.
+
+    The identity uses the lowest finite float32 for ``m`` rather than -inf so that
+    combining two identities gives ``0 * e^0 = 0`` instead of ``0 * e^(-inf + inf)
+    = NaN``; a NaN or +inf element still turns ``s`` into NaN through
+    ``e^(x - m)``, as torch's logsumexp does.
     """
 
     def combine(lhs, rhs):
-        m = tirx.max(lhs[0], rhs[0])
-        s = lhs[1] * te.exp(lhs[0] - m) + rhs[1] * te.exp(rhs[0] - m)
-        return (m, s) + tuple(a + b for a, b in zip(lhs[2:], rhs[2:]))
+        m = tirx.max(lhs[1], rhs[1])
+        s = lhs[0] * te.exp(lhs[1] - m) + rhs[0] * te.exp(rhs[1] - m)
+        return (s, m) + tuple(a + b for a, b in zip(lhs[2:], rhs[2:]))
 
     def identity(*dtypes):
-        return (tirx.const(F32_LOWEST, dtypes[0]), tirx.const(0, dtypes[1])) + tuple(
+        return (tirx.const(0, dtypes[0]), tirx.const(F32_LOWEST, dtypes[1])) + tuple(
             tirx.const(0, d) for d in dtypes[2:]
         )
 
