@@ -206,20 +206,30 @@ def torch_reference(case: Case, t: dict[str, Any]) -> list[Any]:
     return [loss.reshape(-1) if loss.dim() == 0 else loss]
 
 
-def close(actual: np.ndarray, expected: np.ndarray, rtol: float) -> tuple[bool, float]:
+def error_scales(case: Case, reference: list[np.ndarray]) -> list[float | None]:
+    """What an error is measured against: BN's mean against the spread (std), its
+    variance against the largest variance; a loss against itself (None)."""
+    if case.op == "bn_stats":
+        var = np.asarray(reference[1], np.float64)
+        return [float(np.sqrt(var.max())), float(var.max())]
+    return [None]
+
+
+def close(actual: np.ndarray, expected: np.ndarray, rtol: float, scale: float | None = None) -> tuple[bool, float]:
     actual = np.asarray(actual, np.float64).reshape(np.shape(expected))
     expected = np.asarray(expected, np.float64)
     if not np.array_equal(np.isnan(actual), np.isnan(expected)):
         return False, math.inf
     mask = ~np.isnan(expected)
     err = np.abs(actual[mask] - expected[mask])
-    scale = np.maximum(np.abs(expected[mask]), 1e-3)
-    worst = float(np.max(err / scale)) if err.size else 0.0
+    denom = np.maximum(np.abs(expected[mask]), 1e-3) if scale is None else max(scale, 1e-12)
+    worst = float(np.max(err / denom)) if err.size else 0.0
     return worst <= rtol, worst
 
 
 # -- timing --------------------------------------------------------------------------
-def time_gpu(launches: list[Callable[[], None]], repeats: int = 15, per_graph: int = 0) -> tuple[float, str]:
+def time_gpu(launches: list[Callable[[], None]], repeats: int = 15, per_graph: int = 0,
+             graphable: bool = True) -> tuple[float, str]:
     """Median ms of one launch: CUDA graph replay of many launches timed with events;
     falls back to timing a loop of launches when capture is not possible.
 
@@ -248,6 +258,8 @@ def time_gpu(launches: list[Callable[[], None]], repeats: int = 15, per_graph: i
     if rough * per_graph > 50:
         repeats = min(repeats, 5)
     try:
+        if not graphable:
+            raise RuntimeError("not capturable")
         graph = torch.cuda.CUDAGraph()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -290,12 +302,18 @@ def time_cpu(run: Callable[[], None], repeats: int = 5) -> tuple[float, str]:
     return statistics.median(times), "perf_counter"
 
 
-def copy_bandwidth_gpu(nbytes: int = 2 * 2**30) -> float:
-    """Device-to-device copy, bytes read plus written per second (GB/s)."""
+def copy_bandwidth_gpu(nbytes: int = 4 * 2**30) -> float:
+    """Device-to-device copy, bytes read plus written per second (GB/s).
+
+    The GPU idles at low clocks; half a second of copies first lets them ramp."""
     import torch
 
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
     dst = torch.empty_like(src)
+    deadline = time.perf_counter() + 0.5
+    while time.perf_counter() < deadline:
+        dst.copy_(src)
+        torch.cuda.synchronize()
     ms, _ = time_gpu([lambda: dst.copy_(src)], repeats=10, per_graph=10)
     return 2 * nbytes / (ms * 1e-3) / 1e9
 
@@ -337,6 +355,7 @@ class Provider:
     launches: list[Callable[[], None]]
     results: Callable[[], list[np.ndarray]]
     rtol: float
+    graphable: bool = True  # False: never capture (it syncs, e.g. Liger's .item())
 
 
 def _tvm_provider(name: str, kernel: Kernel, case: Case, sets: list[dict[str, Any]], on_gpu: bool) -> Provider:
@@ -463,7 +482,7 @@ def _torch_providers(case: Case, torch_sets: list[dict[str, Any]]) -> list[Provi
 
         providers.append(Provider(
             "Liger", [lambda x=x, s=s, i=i: liger(x, s["target"], i == 0) for i, (x, s) in enumerate(zip(liger_sets, torch_sets))],
-            liger_results, rtol,
+            liger_results, rtol, graphable=False,
         ))
     return providers
 
@@ -528,14 +547,15 @@ def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: se
             got = provider.results()
             ok = True
             worst = 0.0
-            for g, r in zip(got, reference):
-                good, err = close(g, r, provider.rtol)
+            for g, r, scale in zip(got, reference, error_scales(case, reference)):
+                good, err = close(g, r, provider.rtol, scale)
                 ok, worst = ok and good, max(worst, err)
             if not ok:
                 results.append(Result(case, provider.name, None, bytes_moved, "-", f"wrong: worst rel err {worst:.3g}"))
                 log(f"  {provider.name:<48} WRONG (worst rel err {worst:.3g})")
                 continue
-            ms, method = time_gpu(provider.launches) if on_gpu else time_cpu(provider.launches[0])
+            ms, method = (time_gpu(provider.launches, graphable=provider.graphable) if on_gpu
+                          else time_cpu(provider.launches[0]))
             results.append(Result(case, provider.name, ms, bytes_moved, method, "ok"))
             log(f"  {provider.name:<48} {ms:9.4f} ms  {bytes_moved / ms / 1e6:8.1f} GB/s  ({method})")
         except Exception as err:  # noqa: BLE001 - report and go on with the others
@@ -590,7 +610,9 @@ def summarize(results: list[Result], copy_gb_s: float, log) -> None:
                 f"{100 * r.gb_s / copy_gb_s:5.1f}% {speedup}")
 
 
-def append_csv(results: list[Result], path: str, hardware: str, copy_gb_s: float) -> None:
+def append_csv(results: list[Result], path: str, hardware: str, copy_gb_s: float,
+               with_copy_row: bool = False) -> None:
+    """Append rows (one per result; the copy ceiling first when asked) to the CSV."""
     new = not os.path.exists(path)
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -599,9 +621,10 @@ def append_csv(results: list[Result], path: str, hardware: str, copy_gb_s: float
         writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
         if new:
             writer.writeheader()
-        writer.writerow(dict(hardware=hardware, date=date, version=version, op="copy", shape="",
-                             dtype="", options="", provider="device copy", median_ms="",
-                             gb_s=f"{copy_gb_s:.1f}", frac_copy="1.000", method="", status="ok"))
+        if with_copy_row:
+            writer.writerow(dict(hardware=hardware, date=date, version=version, op="copy", shape="",
+                                 dtype="", options="", provider="device copy", median_ms="",
+                                 gb_s=f"{copy_gb_s:.1f}", frac_copy="1.000", method="", status="ok"))
         for r in results:
             writer.writerow(dict(
                 hardware=hardware, date=date, version=version, op=r.case.op,
@@ -661,12 +684,16 @@ def run(cases: list[Case] | None = None, device: str | None = None, csv_path: st
         empty_ms = empty_launch_gpu()
         log(f"empty kernel launch: {empty_ms * 1e3:.2f} us")
         results.append(Result(Case("empty_kernel", (1,), "float32"), "empty launch", empty_ms, 0, "graph", "ok"))
+    if csv_path:  # rows go out case by case, so a run cut short keeps what it measured
+        append_csv(results, csv_path, hardware, copy_gb_s, with_copy_row=True)
     for case in cases:
         log(f"{case.label()}: {case.problem.bytes_moved / 1e6:.1f} MB moved at least")
-        results.extend(bench_case(case, on_gpu, gen, providers, log))
+        rows = bench_case(case, on_gpu, gen, providers, log)
+        results.extend(rows)
+        if csv_path:
+            append_csv(rows, csv_path, hardware, copy_gb_s)
     summarize([r for r in results if r.case.op != "empty_kernel"], copy_gb_s, log)
     if csv_path:
-        append_csv(results, csv_path, hardware, copy_gb_s)
         log(f"appended {len(results) + 1} rows to {csv_path}")
     if plots:
         os.makedirs(plots, exist_ok=True)

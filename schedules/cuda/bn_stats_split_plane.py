@@ -58,24 +58,37 @@ class BNStatsSplitPlane(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: BNStatsProblem) -> bool:
-        return problem.op == self.op and not problem.channels_last
+        return problem.op == self.op and not problem.channels_last and bool(self._splits(problem))
+
+    def _splits(self, problem: BNStatsProblem) -> list[int]:
+        """Split counts that divide the fused (n, l / vector) run evenly. An uneven cut
+        puts the run index and the reduction index in one predicate, and TVM then
+        silently skips the cross-thread lowering (lanes race on the partial: seen on
+        8x32x1009 on the H200, 2026-11-29)."""
+        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]))
+        run = problem.count // vector
+        return [s for s in range(2, 257) if run % s == 0 and run // s >= 32]
 
     def prefers(self, problem: BNStatsProblem) -> bool:
-        return problem.channels < 2 * SMS and problem.count >= 16384
+        # Fewer channels than SMs: a block per channel leaves SMs idle. H200 bench of
+        # 2026-11-29 (results/benchmarks.csv): 32x64x112x112 fp16 0.0233 ms against
+        # 0.0312 for a block per channel; 8x3x224x224 0.0056 against 0.0297; but
+        # 64x256x56x56 (256 channels) 0.0399 against 0.0349.
+        return problem.channels < SMS and problem.count >= 16384
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
         return {
-            "splits": [2, 4, 8, 16, 32, 64, 128],
+            "splits": self._splits(problem),
             "threads": [128, 256, 512],
-            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
+            "vector": [max(vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]))],
             "unroll": [1, 4, 8, 16],
         }
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> SplitPlaneKnobs:
         vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]))
-        splits = 2
-        while problem.channels * splits < BLOCKS_WANTED and splits < 128:
-            splits *= 2
+        options = self._splits(problem)
+        wanted = -(-BLOCKS_WANTED // problem.channels)
+        splits = min((s for s in options if s >= wanted), default=options[-1])
         per_block = problem.count // (splits * vector)
         threads = 512 if per_block >= 512 * 8 else (256 if per_block >= 256 * 2 else 128)
         return SplitPlaneKnobs(splits=splits, threads=threads, vector=vector, unroll=8)
