@@ -33,7 +33,7 @@ def _mount_schedules() -> None:
 
 _mount_schedules()
 
-from .api import OPS, bn_stats, build, cross_entropy, make_problem  # noqa: E402
+from .api import OPS, bn_stats, build, cross_entropy, explain, make_problem, tune, tune_many  # noqa: E402
 from .contracts import TargetOutOfRangeError  # noqa: E402
 
 __version__ = "0.1.0"
@@ -44,5 +44,8 @@ __all__ = [
     "bn_stats",
     "build",
     "cross_entropy",
+    "explain",
     "make_problem",
+    "tune",
+    "tune_many",
 ]

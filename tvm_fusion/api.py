@@ -103,6 +103,48 @@ def build(op: str, shape: Any, dtype: str = "float32", target: Any = "cuda", **o
     return kernel_for(problem, targets.resolve(target))
 
 
+def tune(
+    op: str,
+    shape: Any,
+    dtype: str = "float32",
+    target: Any = "cuda",
+    trials: int = 32,
+    log_dir: str = "tuning_logs",
+    progress: Any = None,
+    **options: Any,
+):
+    """Tune one shape with MetaSchedule (evolutionary search, XGBoost cost model) over
+    the applicable candidates and their knobs; records go to ``<log_dir>/<target>/``.
+    Returns a :class:`tvm_fusion.tuner.TuneResult`."""
+    return tune_many([(op, shape, dtype, options)], target, trials, log_dir, progress)
+
+
+def tune_many(
+    specs: list[tuple[str, Any, str, dict[str, Any]]],
+    target: Any = "cuda",
+    trials: int = 32,
+    log_dir: str = "tuning_logs",
+    progress: Any = None,
+):
+    """Tune several shapes at once: one MetaSchedule task per shape and decomposition,
+    the task scheduler sharing ``trials`` per shape among them."""
+    from .tuner import tune as run_tuner
+
+    if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
+        raise ValueError(f"tune: trials must be a positive int, got {trials!r}")
+    problems = [make_problem(op, shape, dtype, **options) for op, shape, dtype, options in specs]
+    return run_tuner(problems, targets.resolve(target), trials, log_dir, progress)
+
+
+def explain(op: str, shape: Any, dtype: str = "float32", target: Any = "cuda",
+            log_dir: str | None = None, **options: Any) -> str:
+    """Which candidate and knobs dispatch picks for this shape, and why (a tuning
+    record, or the registry's heuristic)."""
+    from .dispatch import explain as explain_choice
+
+    return explain_choice(make_problem(op, shape, dtype, **options), targets.resolve(target), log_dir)
+
+
 def make_problem(op: str, shape: Any, dtype: str, **options: Any):
     """The contract's problem for ``op`` from a shape, a dtype and keyword options."""
     check_choice("build", "op", op, OPS)

@@ -700,3 +700,74 @@ def run(cases: list[Case] | None = None, device: str | None = None, csv_path: st
         for path in plot([r for r in results if r.case.op != "empty_kernel"], plots, copy_gb_s, hardware):
             log(f"wrote {path}")
     return results
+
+
+# -- tuner against exhaustive timing -------------------------------------------------
+def candidate_records(problem, target, log_dir) -> dict[str, Any]:
+    """The best tuning record of each candidate for ``problem``: name -> scheduled mod."""
+    import tvm
+
+    from . import records
+    from .dispatch import _annotations
+
+    best: dict[str, tuple[float, Any]] = {}
+    for _, db in records.databases(log_dir, target):
+        for record in db.get_all_tuning_records():
+            func = record.workload.mod["main"]
+            if "tvm_fusion.problem" not in func.attrs or not record.run_secs:
+                continue
+            if str(func.attrs["tvm_fusion.problem"]) != prim_func(problem, str(func.attrs["tvm_fusion.algorithm"])).attrs["tvm_fusion.problem"]:
+                continue
+            sch = tvm.s_tir.Schedule(record.workload.mod)
+            record.trace.apply_to_schedule(sch, remove_postproc=False)
+            name, knobs = _annotations(sch, problem.op)
+            seconds = statistics.median(float(s) for s in record.run_secs)
+            if name not in best or seconds < best[name][0]:
+                best[name] = (seconds, (knobs, sch.mod))
+    return {name: value for name, (_, value) in best.items()}
+
+
+def compare_tuning(cases: list[Case], log_dir: str, tune_seconds: dict[str, float], csv_path: str | None,
+                   log=print) -> list[Result]:
+    """Time, on the GPU, every candidate with its default knobs and with its best tuned
+    knobs, the untuned default pick and the tuner's pick; report the pick against the
+    exhaustive best."""
+    from .dispatch import best_record
+
+    target = targets.resolve("cuda")
+    hardware, copy_gb_s = hardware_name(True), copy_bandwidth_gpu()
+    out: list[Result] = []
+    for case in cases:
+        problem = case.problem
+        torch_sets = [device_inputs(case)]
+        torch_sets += [{k: v.clone() for k, v in torch_sets[0].items()} for _ in range(rotated_sets(case, True) - 1)]
+        timed: dict[str, float] = {}
+
+        def measure(label: str, kernel: Kernel) -> None:
+            provider = _tvm_provider(label, kernel, case, torch_sets, True)
+            timed[label], _ = time_gpu(provider.launches)
+
+        for cand in registry.applicable(problem, target):
+            measure(f"default knobs: {cand.name}", build_kernel(problem, target, cand.name))
+        for name, (knobs, mod) in candidate_records(problem, target, log_dir).items():
+            measure(f"tuned: {name} [{knobs}]", build_kernel(problem, target, name, knobs, "record", mod=mod))
+        default = registry.default_candidate(problem, target)
+        untuned = timed[f"default knobs: {default.name}"]
+        found = best_record(problem, target, log_dir)
+        best_label = min(timed, key=timed.get)
+        pick_label = f"tuned: {found.candidate} [{found.knobs}]" if found else f"default knobs: {default.name}"
+        pick = timed.get(pick_label, untuned)
+        seconds = tune_seconds.get(problem.key(), float("nan"))
+        note = (f"tuned in {seconds:.0f} s; pick/exhaustive best = {pick / timed[best_label]:.3f}; "
+                f"pick/untuned default = {pick / untuned:.3f}")
+        rows = [
+            Result(case, f"tuner pick ({pick_label})", pick, problem.bytes_moved, "graph", f"ok; {note}"),
+            Result(case, f"exhaustive best ({best_label})", timed[best_label], problem.bytes_moved, "graph", "ok"),
+            Result(case, f"untuned default pick ({default.name})", untuned, problem.bytes_moved, "graph", "ok"),
+        ]
+        log(f"{case.label()}: pick {pick:.4f} ms ({pick_label}), exhaustive best {timed[best_label]:.4f} ms "
+            f"({best_label}), untuned default {untuned:.4f} ms; {note}")
+        out.extend(rows)
+        if csv_path:
+            append_csv(rows, csv_path, hardware, copy_gb_s)
+    return out

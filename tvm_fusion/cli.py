@@ -117,6 +117,100 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cases(args: argparse.Namespace, on_gpu: bool) -> list:
+    """(op, shape, dtype, options) for --ops/--shapes/--dtype, or the bench defaults."""
+    from . import bench
+
+    ops = parse_ops(args.ops)
+    if args.shapes:
+        if len(ops) != 1:
+            raise UsageError("--shapes needs exactly one op in --ops")
+        dtype = parse_dtype(args.dtype or "float16")
+        cases = [(ops[0], parse_shape(s), dtype, _options(args)) for s in args.shapes]
+    else:
+        defaults = bench.GPU_CASES if on_gpu else bench.CPU_CASES
+        cases = [(c.op, c.shape, parse_dtype(args.dtype) if args.dtype else c.dtype, dict(c.options))
+                 for c in defaults if c.op in ops]
+    for op, shape, dtype, options in cases:
+        _problem(op, shape, dtype, argparse.Namespace(**{**vars(args), **options}))
+    return cases
+
+
+def _default_target(args: argparse.Namespace):
+    from . import bench
+
+    return parse_target(args.target or ("cuda" if bench.gpu_available() else "llvm"))
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from . import records
+    from .api import tune_many
+
+    target = _default_target(args)
+    if args.trials < 1:
+        raise UsageError(f"--trials must be a positive int, got {args.trials}")
+    cases = _cases(args, target.kind.name == "cuda")
+    bar = tqdm(total=args.trials * len(cases), unit="trial", desc="tuning")
+
+    def progress(done: int, best: float) -> None:
+        bar.n = min(done, bar.total)
+        bar.set_postfix_str(f"best {best * 1e3:.4f} ms" if best < float("inf") else "no result yet")
+        bar.refresh()
+
+    batches = [[case] for case in cases] if args.each else [cases]
+    seconds: dict[str, float] = {}
+    for batch in batches:
+        result = tune_many(batch, target, args.trials, args.log_dir, progress)
+        for key in result.best:
+            seconds[key] = result.seconds
+        print(f"\ntuned {len(batch)} shape(s) in {result.seconds:.1f} s; log: {result.log_dir}")
+        for key, (candidate, best) in result.best.items():
+            print(f"  {key}: {candidate} {best * 1e3:.4f} ms")
+    bar.close()
+    for path in records.plot_curves(result.log_dir):
+        print(f"  curve: {path}")
+    if args.compare:
+        from . import bench
+
+        if target.kind.name != "cuda" or not bench.gpu_available():
+            raise UsageError("--compare times kernels on the GPU: it needs --target cuda and a GPU")
+        bench_cases = [bench.Case(op, shape, dtype, tuple(sorted(o.items()))) for op, shape, dtype, o in cases]
+        bench.compare_tuning(bench_cases, args.log_dir, seconds, os.path.join(args.results, bench.CSV_NAME))
+    return 0
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    import json
+
+    import tvm
+
+    from .dispatch import choose
+    from .kernel import schedule_for
+
+    target = _default_target(args)
+    os.makedirs(args.out, exist_ok=True)
+    functions, manifest = {}, []
+    for op, shape, dtype, options in _cases(args, target.kind.name == "cuda"):
+        problem = _problem(op, shape, dtype, argparse.Namespace(**{**vars(args), **options}))
+        choice = choose(problem, target, args.log_dir)
+        mod = choice.mod if choice.mod is not None else schedule_for(problem, target, choice.candidate, choice.knobs)[0].mod
+        name = problem.key()
+        functions[name] = mod["main"].with_attr("global_symbol", name)
+        params = [{"name": p.name, "shape": [int(d) for d in p.shape], "dtype": str(p.dtype)} for p in mod["main"].params]
+        manifest.append({"function": name, "op": op, "input_shape": list(shape), "dtype": dtype,
+                         "options": options, "params": params, "candidate": choice.candidate,
+                         "knobs": choice.knobs.as_dict(), "chosen_by": choice.source, "why": choice.reason})
+    library = os.path.join(args.out, f"tvm_fusion_{'_'.join(sorted({m['op'] for m in manifest}))}.so")
+    with target:
+        tvm.compile(tvm.IRModule(functions), target=target).export_library(library)
+    with open(os.path.join(args.out, "manifest.json"), "w") as handle:
+        json.dump({"library": os.path.basename(library), "target": str(target), "functions": manifest}, handle, indent=2)
+    print(f"wrote {library} and {os.path.join(args.out, 'manifest.json')} ({len(manifest)} functions)")
+    return 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from . import registry
     from .compute import prim_func
@@ -176,6 +270,30 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-record", action="store_true", help="print only: no CSV rows, no PNGs")
     add_problem_options(bench)
     bench.set_defaults(func=cmd_bench)
+
+    tune = sub.add_parser("tune", help="tune shapes with MetaSchedule and write tuning logs")
+    tune.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: both)")
+    tune.add_argument("--shapes", nargs="+", help="shapes like 4096x32000 (default: the bench shapes)")
+    tune.add_argument("--dtype", help="input dtype (default: each default shape's own, float16 for --shapes)")
+    tune.add_argument("--target", help="cuda, llvm or a JSON target dict (default: cuda with a GPU)")
+    tune.add_argument("--trials", type=int, default=32, help="trials per shape (default 32)")
+    tune.add_argument("--log-dir", dest="log_dir", default="tuning_logs", help="log folder (default tuning_logs)")
+    tune.add_argument("--each", action="store_true", help="tune shapes one at a time (time each)")
+    tune.add_argument("--compare", action="store_true",
+                      help="then time every candidate (default and tuned knobs) against the tuner's pick (GPU)")
+    tune.add_argument("--results", default="results", help="folder of the results CSV for --compare")
+    add_problem_options(tune)
+    tune.set_defaults(func=cmd_tune)
+
+    build = sub.add_parser("build", help="export a shared library of kernels plus a JSON manifest")
+    build.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: both)")
+    build.add_argument("--shapes", nargs="+", help="shapes like 4096x32000 (default: the bench shapes)")
+    build.add_argument("--dtype", help="input dtype")
+    build.add_argument("--target", help="cuda, llvm or a JSON target dict (default: cuda with a GPU)")
+    build.add_argument("--log-dir", dest="log_dir", default=None, help="extra tuning log folder")
+    build.add_argument("--out", default="build", help="output folder (default build)")
+    add_problem_options(build)
+    build.set_defaults(func=cmd_build)
 
     show = sub.add_parser("show", help="print contract, TE compute, scheduled TIR, trace and source")
     show.add_argument("op", help="bn_stats or cross_entropy")

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import tvm
+import tvm_ffi
 import tvm.support.nvcc  # noqa: F401  (registers the CUDA JIT callback used at load on a GPU)
 from tvm.target import Target
 
@@ -98,7 +99,7 @@ def build_kernel(
     schedules the problem with ``knobs``."""
     cand = registry.get(candidate)
     knobs = knobs or cand.default_for(problem, target)
-    cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm.ir.structural_hash(mod))
+    cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm_ffi.structural_hash(mod))
     with _LOCK:
         if cache_key in _CACHE:
             return _CACHE[cache_key]

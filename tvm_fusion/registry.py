@@ -27,6 +27,10 @@ from .contracts import Problem
 
 CANDIDATE_ANNOTATION = "tvm_fusion.candidate"
 KNOB_ANNOTATION = "tvm_fusion.knob."
+# The block that carries those annotations: one every decomposition of the operator
+# has. Not the root block: annotating it makes a later split edit the original
+# module in place (TVM 0.27), which breaks MetaSchedule's trace replays.
+ANNOTATED_BLOCK = {"bn_stats": "mean", "cross_entropy": "first_bad_row"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +110,7 @@ class Candidate:
         knobs: Knobs | None = None,
     ) -> None:
         """Schedule ``sch`` (whose function computes ``problem``) in place."""
-        root = sch.get_sblock("root")
+        root = sch.get_sblock(ANNOTATED_BLOCK[self.op])
         sch.annotate(root, CANDIDATE_ANNOTATION, self.name)
         if tunable:
             values = {}

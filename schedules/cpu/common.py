@@ -10,8 +10,10 @@ from ..common import SBlockRV
 
 
 def lane_choices(contiguous: int, widest: int = 16) -> list[int]:
-    """Vector lanes (float32 accumulators) that divide the contiguous run."""
-    lanes = [w for w in (1, 4, 8, 16, 32) if w <= widest * 2 and contiguous % w == 0]
+    """Vector lanes (float32 accumulators) that divide the contiguous run; 1 only
+    when nothing wider does (a unit loop changes the loop structure, which a
+    tuning trace replayed with another decision cannot follow)."""
+    lanes = [w for w in (4, 8, 16, 32) if w <= widest * 2 and contiguous % w == 0]
     return lanes or [1]
 
 

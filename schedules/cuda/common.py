@@ -12,14 +12,16 @@ VECTOR_BYTES = 16  # one 128-bit load (LDG.E.128) per lane
 
 def vector_choices(elem_bytes: int, contiguous: int) -> list[int]:
     """Vector widths up to 16 bytes that divide the contiguous run (so every vector
-    is aligned and in bounds)."""
+    is aligned and in bounds); 1 only when no wider one does (a unit loop changes
+    the loop structure, which a tuning trace replayed with another decision cannot
+    follow)."""
     widths = []
-    width = 1
+    width = 2
     while width * elem_bytes <= VECTOR_BYTES:
         if contiguous % width == 0:
             widths.append(width)
         width *= 2
-    return widths
+    return widths or [1]
 
 
 def schedule_ce_batch_stage(sch: s_tir.Schedule, reduction: str, threads: int = MAX_THREADS) -> None:

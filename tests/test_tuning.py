@@ -1,0 +1,173 @@
+"""Tuner, tuning logs, dispatch from records and the CLI, on the CPU (llvm).
+
+The tunes are tiny (a small shape, two or three trials): what is checked is the
+plumbing — records MetaSchedule's JSONDatabase opens as they are, dispatch using
+them, nothing lost when a tune is killed, bad lines reported with file and line —
+not the speed-ups, which are measured on the GPU host."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import tvm_fusion as tf
+from helpers import assert_close, random_floats, rng
+from tvm.s_tir import meta_schedule as ms
+from tvm_fusion import dispatch, records, targets
+from tvm_fusion.contracts import cross_entropy as ce_ref
+
+CPU = targets.resolve("llvm")
+SHAPE = (16, 256)
+CLI = [sys.executable, "-m", "tvm_fusion.cli"]
+
+
+@pytest.fixture(scope="module")
+def tuned(tmp_path_factory):
+    log_dir = tmp_path_factory.mktemp("logs")
+    result = tf.tune("cross_entropy", shape=SHAPE, dtype="float32", target="llvm", trials=2, log_dir=str(log_dir))
+    return log_dir, result
+
+
+def test_tune_writes_a_json_database_that_metaschedule_opens(tuned):
+    log_dir, result = tuned
+    folder = records.folder(log_dir, CPU)
+    assert pathlib.Path(result.log_dir) == folder
+    db = ms.database.JSONDatabase(
+        path_workload=str(folder / records.WORKLOADS), path_tuning_record=str(folder / records.RECORDS)
+    )
+    assert len(db) >= 1
+    assert result.best and result.seconds > 0
+    trace = str(db.get_all_tuning_records()[0].trace)
+    assert "tvm_fusion.candidate" in trace  # every record says which candidate it came from
+
+
+def test_dispatch_uses_the_record_and_explains_why(tuned):
+    log_dir, _ = tuned
+    problem = tf.make_problem("cross_entropy", SHAPE, "float32")
+    choice = dispatch.choose(problem, CPU, log_dir)
+    assert choice.source == "record" and choice.mod is not None
+    text = tf.explain("cross_entropy", SHAPE, "float32", "llvm", log_dir=str(log_dir))
+    assert "tuning record" in text and choice.candidate in text
+    # Other options on the same shape reuse the record's candidate and knobs.
+    other = dispatch.choose(tf.make_problem("cross_entropy", SHAPE, "float32", label_smoothing=0.1), CPU, log_dir)
+    assert other.source == "record (default options)"
+    # And the record's kernel computes the right thing.
+    kernel = dispatch.kernel_for(problem, CPU, log_dir)
+    gen = rng()
+    logits = random_floats(gen, SHAPE, "float32")
+    target = gen.integers(0, SHAPE[1], SHAPE[0])
+    import tvm
+
+    outs = [tvm.runtime.empty(shape, dtype) for _, shape, dtype in kernel.outputs]
+    kernel(tvm.runtime.tensor(logits), tvm.runtime.tensor(target), *outs)
+    assert_close(outs[-2].numpy()[0], ce_ref.reference(logits, target), 1e-5, 1e-5, "tuned kernel")
+    assert "heuristic" in tf.explain("cross_entropy", (16, 128), "float32", "llvm", log_dir=str(log_dir))
+
+
+def test_corrupt_line_is_reported_with_file_and_line_and_the_rest_loads(tuned, tmp_path):
+    log_dir, _ = tuned
+    source = records.folder(log_dir, CPU)
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / records.WORKLOADS).write_text((source / records.WORKLOADS).read_text())
+    good = [line for line in (source / records.RECORDS).read_text().splitlines() if line.strip()]
+    (broken / records.RECORDS).write_text("\n".join([good[0], '[0, {"truncated', *good[1:]]) + "\n")
+    loaded = records.load(broken)
+    assert loaded.records == len(good)
+    assert len(loaded.problems) == 1
+    problem = loaded.problems[0]
+    assert problem.line == 2 and problem.path.endswith(records.RECORDS)
+    assert f"{records.RECORDS}:2:" in str(problem)
+    with pytest.raises(records.LogLineError, match=r"database_tuning_record\.json:2:"):
+        records.load(broken, strict=True)
+
+
+def test_merge_two_logs(tuned, tmp_path):
+    log_dir, _ = tuned
+    source = records.folder(log_dir, CPU)
+    count = records.load(source).records
+    merged = tmp_path / "merged"
+    assert records.merge([source, source], merged) == 2 * count
+    assert records.load(merged).records == 2 * count
+
+
+def test_kill_during_tuning_keeps_finished_records_and_resumes(tmp_path):
+    cmd = CLI + ["tune", "--ops", "bn_stats", "--shapes", "8x16x64", "--dtype", "float32", "--target", "llvm",
+                 "--trials", "64", "--log-dir", str(tmp_path)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    log = records.folder(tmp_path, CPU) / records.RECORDS
+    deadline = time.time() + 240
+    try:
+        while time.time() < deadline and (not log.exists() or not log.read_text().strip()):
+            time.sleep(0.5)
+        assert log.exists() and log.read_text().strip(), "no record was written in time"
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    loaded = records.load(log.parent)
+    assert loaded.records >= 1  # every finished record survived the kill
+    before = loaded.records
+    # Resume: tuning again appends to the same log.
+    tf.tune("bn_stats", shape=(8, 16, 64), dtype="float32", target="llvm", trials=1, log_dir=str(tmp_path))
+    assert records.load(log.parent).records >= before
+
+
+@pytest.mark.parametrize("sub", ["bench", "tune", "build", "show"])
+def test_cli_help(sub):
+    out = subprocess.run(CLI + [sub, "--help"], capture_output=True, text=True)
+    assert out.returncode == 0 and "usage" in out.stdout
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["show", "softmax", "4x8"], "unknown op 'softmax'"),
+        (["show", "cross_entropy", "4xA"], "malformed shape '4xA'"),
+        (["show", "cross_entropy", "4x8", "--target", "metal"], "'metal'"),
+        (["show", "cross_entropy", "4x8", "--dtype", "int8"], "unknown dtype 'int8'"),
+        (["tune", "--ops", "bn_stats", "--shapes", "0x3", "--target", "llvm"], "malformed shape"),
+        (["build", "--ops", "nope"], "unknown op 'nope'"),
+        (["bench", "--ops", "bn_stats", "--shapes", "2x3x-1"], "malformed shape"),
+        (["show", "bn_stats", "2x3x4", "--target", '{"kind": "cuda"'], "not valid JSON"),
+    ],
+)
+def test_cli_bad_input_is_one_line_and_exit_2(args, words):
+    out = subprocess.run(CLI + args, capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert words in out.stderr and "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_cli_build_writes_library_and_manifest(tmp_path):
+    out = subprocess.run(
+        CLI + ["build", "--ops", "cross_entropy", "--shapes", "8x100", "--dtype", "float32", "--target", "llvm",
+               "--out", str(tmp_path)],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 0, out.stderr
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert (tmp_path / manifest["library"]).exists()
+    (entry,) = manifest["functions"]
+    assert entry["candidate"] == "cross_entropy_parallel" and entry["chosen_by"] == "heuristic"
+    import tvm
+
+    lib = tvm.runtime.load_module(str(tmp_path / manifest["library"]))
+    gen = rng()
+    logits, target = random_floats(gen, (8, 100), "float32"), gen.integers(0, 100, 8)
+    outs = [tvm.runtime.empty(tuple(p["shape"]), p["dtype"]) for p in entry["params"][2:]]
+    lib[entry["function"]](tvm.runtime.tensor(logits), tvm.runtime.tensor(target), *outs)
+    assert np.isclose(outs[-2].numpy()[0], ce_ref.reference(logits, target), rtol=1e-5)
+
+
+def test_cli_show_prints_every_level():
+    out = subprocess.run(CLI + ["show", "cross_entropy", "4x64", "--target", "llvm", "--dtype", "float32"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    for section in ("contract", "TE compute", "dispatch", "scheduled TIR", "trace", "LLVM IR"):
+        assert f"==== {section}" in out.stdout

@@ -1,0 +1,202 @@
+"""Tuning logs: MetaSchedule's JSON database under ``tuning_logs/<target>/``.
+
+The files are exactly what ``tvm.s_tir.meta_schedule.database.JSONDatabase`` reads
+and writes (``database_workload.json``, ``database_tuning_record.json``, one JSON
+value per line, appended a record at a time, so a tune that is killed keeps every
+finished record). Reading goes through :func:`load`, which checks each line on its
+own: a corrupt or truncated line is reported with its file and line number and the
+other records still load.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import logging
+import os
+import pathlib
+
+import tvm
+from tvm.s_tir import meta_schedule as ms
+from tvm.target import Target
+
+from . import targets
+
+WORKLOADS = "database_workload.json"
+RECORDS = "database_tuning_record.json"
+SHIPPED = pathlib.Path(__file__).resolve().parent.parent / "tuning_logs"
+LOG_DIR_ENV = "TVM_FUSION_LOG_DIR"
+
+log = logging.getLogger(__name__)
+
+
+class LogLineError(ValueError):
+    """A line of a tuning log that cannot be read."""
+
+    def __init__(self, path: str, line: int, reason: str):
+        super().__init__(f"{path}:{line}: {reason}")
+        self.path, self.line, self.reason = path, line, reason
+
+
+@dataclasses.dataclass
+class LoadedLog:
+    database: ms.database.MemoryDatabase
+    records: int
+    problems: list[LogLineError]
+
+
+def folder(log_dir: str | os.PathLike, target: Target) -> pathlib.Path:
+    """``<log_dir>/<target key>``, e.g. ``tuning_logs/cuda_sm_90``."""
+    return pathlib.Path(log_dir) / targets.key(target)
+
+
+def json_database(path: str | os.PathLike) -> ms.database.JSONDatabase:
+    """The MetaSchedule JSON database in ``path`` (created if missing)."""
+    os.makedirs(path, exist_ok=True)
+    return ms.database.JSONDatabase(
+        path_workload=os.path.join(path, WORKLOADS),
+        path_tuning_record=os.path.join(path, RECORDS),
+        allow_missing=True,
+    )
+
+
+def _read_lines(path: pathlib.Path):
+    if not path.exists():
+        return
+    with open(path) as handle:
+        for number, line in enumerate(handle, start=1):
+            if line.strip():
+                yield number, line
+
+
+def load(path: str | os.PathLike, strict: bool = False) -> LoadedLog:
+    """Read a log folder line by line into an in-memory database.
+
+    Bad lines are collected in ``problems`` (and logged); with ``strict`` the first
+    one raises :class:`LogLineError`."""
+    path = pathlib.Path(path)
+    db = ms.database.MemoryDatabase()
+    problems: list[LogLineError] = []
+
+    def bad(file: pathlib.Path, number: int, reason: str) -> None:
+        err = LogLineError(str(file), number, reason)
+        if strict:
+            raise err
+        log.warning("skipping %s", err)
+        problems.append(err)
+
+    workloads: list[ms.database.Workload] = []
+    for number, line in _read_lines(path / WORKLOADS):
+        try:
+            workloads.append(ms.database.Workload.from_json(json.loads(line)))
+        except Exception as err:  # noqa: BLE001 - any unreadable line is reported alike
+            bad(path / WORKLOADS, number, f"not a workload ({_short(err)})")
+            workloads.append(None)
+    count = 0
+    for number, line in _read_lines(path / RECORDS):
+        try:
+            entry = json.loads(line)
+            index = int(entry[0])
+            workload = workloads[index]
+            if workload is None:
+                raise ValueError(f"refers to unreadable workload #{index}")
+            record = ms.database.TuningRecord.from_json(entry[1], workload)
+        except Exception as err:  # noqa: BLE001
+            bad(path / RECORDS, number, f"not a tuning record ({_short(err)})")
+            continue
+        db.commit_workload(workload.mod)
+        db.commit_tuning_record(record)
+        count += 1
+    return LoadedLog(db, count, problems)
+
+
+def merge(sources: list[str | os.PathLike], destination: str | os.PathLike) -> int:
+    """Append every readable record of ``sources`` to the log in ``destination``;
+    returns how many were written. Bad lines are reported, not copied."""
+    out = json_database(destination)
+    written = 0
+    for source in sources:
+        loaded = load(source)
+        for record in loaded.database.get_all_tuning_records():
+            workload = out.commit_workload(record.workload.mod)
+            out.commit_tuning_record(
+                ms.database.TuningRecord(record.trace, workload, record.run_secs, record.target, record.args_info)
+            )
+            written += 1
+    return written
+
+
+def search_paths(log_dir: str | os.PathLike | None) -> list[pathlib.Path]:
+    """Where dispatch looks: the given folder, ``$TVM_FUSION_LOG_DIR``, the shipped logs."""
+    paths = [pathlib.Path(p) for p in (log_dir, os.environ.get(LOG_DIR_ENV)) if p]
+    return paths + [SHIPPED]
+
+
+@functools.lru_cache(maxsize=16)
+def _cached(path: str, mtime: float) -> LoadedLog:
+    return load(path)
+
+
+def databases(log_dir: str | os.PathLike | None, target: Target) -> list[tuple[pathlib.Path, ms.database.MemoryDatabase]]:
+    found = []
+    for base in search_paths(log_dir):
+        path = folder(base, target)
+        records = path / RECORDS
+        if records.exists():
+            found.append((path, _cached(str(path), records.stat().st_mtime).database))
+    return found
+
+
+def _short(err: Exception) -> str:
+    text = str(err).strip().splitlines()
+    return text[-1][:160] if text else type(err).__name__
+
+
+def curve(path: str | os.PathLike) -> dict[str, list[float]]:
+    """Per workload (by its task's problem key when tagged), the median run time of
+    each record in the order the records were written: the tuning curve."""
+    loaded = load(path)
+    curves: dict[str, list[float]] = {}
+    for record in loaded.database.get_all_tuning_records():
+        if not record.run_secs:
+            continue
+        func = record.workload.mod["main"]
+        name = str(func.attrs["tvm_fusion.problem"]) if "tvm_fusion.problem" in func.attrs else "workload"
+        if "tvm_fusion.algorithm" in func.attrs:
+            name = _key(name) + ":" + str(func.attrs["tvm_fusion.algorithm"])
+        secs = sorted(float(s) for s in record.run_secs)
+        curves.setdefault(name, []).append(secs[len(secs) // 2])
+    return curves
+
+
+def _key(problem_json: str) -> str:
+    from .compute import problem_from_json
+
+    return problem_from_json(problem_json).key()
+
+
+def plot_curves(path: str | os.PathLike) -> list[str]:
+    """One PNG per task beside the log: best time so far against trials."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for name, times in curve(path).items():
+        best, so_far = [], float("inf")
+        for t in times:
+            so_far = min(so_far, t)
+            best.append(so_far * 1e3)
+        fig, ax = plt.subplots(figsize=(5, 3), dpi=80)
+        ax.plot(range(1, len(best) + 1), best, marker=".")
+        ax.set_xlabel("trials")
+        ax.set_ylabel("best time so far (ms)")
+        ax.set_title(name, fontsize=8)
+        fig.tight_layout()
+        out = pathlib.Path(path) / f"curve_{name.replace(':', '_')}.png"
+        fig.savefig(out)
+        plt.close(fig)
+        written.append(str(out))
+    return written

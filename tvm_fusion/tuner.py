@@ -1,0 +1,208 @@
+"""The tuner: MetaSchedule's evolutionary search with the XGBoost cost model, over the
+union of the applicable candidates' design spaces.
+
+One task per (problem, decomposition): candidates scheduling the same compute share
+a task, whose space is the union of their ``tunable=True`` spaces (a ``ScheduleFn``
+each), so the cost model learns across candidates and knobs; MetaSchedule's task
+scheduler shares the trial budget among tasks and shapes. Every record's trace
+carries the candidate's name and knob values as annotations of the root block.
+
+What stock MetaSchedule needs to tune these kernels at all (seen on the H200, see
+DESIGN.md): an argument allocator that gives the runner valid class indices (the
+stock one fills int64 targets with random bits, so the kernel is asked to read far
+out of bounds and the runner dies), builders that import this package (TVM only
+knows our tuple reducers once they are registered in the process), and a builder
+time-out well above the stock 30 s.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import psutil
+import tvm
+from tvm.s_tir import meta_schedule as ms
+from tvm.ir.utils import derived_object
+from tvm.target import Target
+
+from . import records, registry, targets
+from .compute import prim_func
+from .contracts import Problem
+
+BUILD_TIMEOUT_S = 120
+RUN_TIMEOUT_S = 60
+IGNORED_FRACTION = 0.05
+
+
+def build_with_tvm_fusion(mod: tvm.IRModule, target: Target, _params: Any) -> Any:
+    """MetaSchedule build function run in the builder's worker processes: importing
+    tvm_fusion registers our reducers and the CUDA compile callback there."""
+    import tvm_fusion  # noqa: F401
+    from tvm.s_tir.meta_schedule.builder.local_builder import default_build
+
+    return default_build(mod, target, _params)
+
+
+def alloc_valid_arguments(device: Any, args_info: Sequence[Any], alloc_repeat: int) -> list[list[Any]]:
+    """Runner argument allocator: real-valued floats, class indices in [0, V).
+
+    The logits (first 2-D float) give V; the first integer vector is the target,
+    with about 5% of its rows set to ignore_index (-100). Outputs get any values."""
+    rng = np.random.default_rng()
+    classes = next((info[2][1] for info in args_info if len(info[2]) == 2 and "float" in info[1]), None)
+    repeated = []
+    for _ in range(alloc_repeat):
+        args, target_done = [], False
+        for _, dtype, shape in args_info:
+            shape = tuple(int(d) for d in shape)
+            if "int" in dtype:
+                values = np.zeros(shape)
+                if classes is not None and not target_done and len(shape) == 1:
+                    values = rng.integers(0, classes, shape)
+                    values[rng.random(shape) < IGNORED_FRACTION] = -100
+                    target_done = True
+                data, view = values.astype(dtype), dtype
+            else:
+                data = rng.standard_normal(shape, dtype=np.float32)
+                if dtype == "bfloat16":  # numpy has no bfloat16: copy the top 16 bits
+                    data, view = (data.view(np.uint32) >> 16).astype(np.uint16), "uint16"
+                else:
+                    data, view = data.astype(dtype), dtype
+            tensor = tvm.runtime.empty(shape, dtype, device)
+            tensor._create_view(shape, view).copyfrom(data)
+            args.append(tensor)
+        repeated.append(args)
+    return repeated
+
+
+def workers() -> int:
+    """Builder processes: the cores this machine has, at most 8 (16 on the GPU host,
+    2 on the CI machines)."""
+    return max(1, min(8, psutil.cpu_count(logical=False) or os.cpu_count() or 1))
+
+
+def tasks_for(problem: Problem, target: Target) -> list[ms.TuneContext]:
+    """One TuneContext per decomposition that has applicable candidates."""
+    by_algorithm: dict[str, list[registry.Candidate]] = {}
+    for cand in registry.applicable(problem, target):
+        by_algorithm.setdefault(cand.algorithm, []).append(cand)
+    postprocs = [ms.postproc.VerifyGPUCode()] if target.kind.name == "cuda" else []
+    contexts = []
+    for algorithm, cands in by_algorithm.items():
+        spaces = [
+            ms.space_generator.ScheduleFn(
+                _space_fn(cand, problem, target), sch_rules=[], postprocs=postprocs, mutator_probs={}
+            )
+            for cand in cands
+        ]
+        space = spaces[0] if len(spaces) == 1 else ms.space_generator.SpaceGeneratorUnion(spaces)
+        contexts.append(
+            ms.TuneContext(
+                tvm.IRModule({"main": prim_func(problem, algorithm)}),
+                target=target,
+                space_generator=space,
+                search_strategy=ms.search_strategy.EvolutionarySearch(
+                    population_size=64, init_measured_ratio=0.0, init_min_unmeasured=32,
+                    genetic_num_iters=2, max_fail_count=3,
+                ),
+                task_name=f"{problem.key()}:{algorithm}",
+                num_threads=workers(),
+            )
+        )
+    return contexts
+
+
+def _space_fn(cand: registry.Candidate, problem: Problem, target: Target) -> Callable:
+    """The candidate's design space (its knobs sampled) on MetaSchedule's schedule."""
+
+    def space(sch: tvm.s_tir.Schedule) -> tvm.s_tir.Schedule:
+        cand.apply_to(sch, problem, target, tunable=True)
+        return sch
+
+    return space
+
+
+@derived_object
+class Progress(ms.measure_callback.PyMeasureCallback):
+    """A measure callback that reports trials done and the best time so far."""
+
+    def __init__(self, total: int, report: Callable[[int, float], None]):
+        super().__init__()
+        self.done, self.best, self.total, self.report = 0, float("inf"), total, report
+
+    def apply(self, task_scheduler, task_id, measure_candidates, builder_results, runner_results) -> None:
+        for result in runner_results:
+            self.done += 1
+            if result.run_secs:
+                self.best = min(self.best, float(np.median([float(s) for s in result.run_secs])))
+        self.report(self.done, self.best)
+
+
+@dataclasses.dataclass
+class TuneResult:
+    log_dir: str
+    seconds: float
+    trials: int
+    best: dict[str, tuple[str, float]]  # problem key -> (candidate, seconds)
+
+
+def tune(
+    problems: Sequence[Problem],
+    target: Any,
+    trials: int = 32,
+    log_dir: str | os.PathLike = "tuning_logs",
+    progress: Callable[[int, float], None] | None = None,
+    runner_timeout: float = RUN_TIMEOUT_S,
+) -> TuneResult:
+    """Tune ``problems`` on ``target`` with ``trials`` trials each; records go to
+    ``<log_dir>/<target>/`` (appended: an earlier log is kept and extended)."""
+    target = targets.resolve(target)
+    contexts = [ctx for problem in problems for ctx in tasks_for(problem, target)]
+    if not contexts:
+        raise ValueError(f"tune: no candidate applies to {[p.key() for p in problems]} on {target.kind.name}")
+    path = records.folder(log_dir, target)
+    database = records.json_database(path)
+    total = trials * len(problems)
+    callbacks = [
+        ms.measure_callback.AddToDatabase(),
+        ms.measure_callback.RemoveBuildArtifact(),
+        ms.measure_callback.UpdateCostModel(),
+    ]
+    if progress is not None:
+        callbacks.append(Progress(total, progress))
+    start = time.perf_counter()
+    with tvm.transform.PassContext(opt_level=3), target:
+        ms.tune_tasks(
+            tasks=contexts,
+            task_weights=[1.0] * len(contexts),
+            work_dir=str(path),
+            max_trials_global=total,
+            max_trials_per_task=trials,
+            num_trials_per_iter=min(16, trials),
+            builder=ms.builder.LocalBuilder(
+                max_workers=workers(), timeout_sec=BUILD_TIMEOUT_S, f_build=build_with_tvm_fusion
+            ),
+            runner=ms.runner.LocalRunner(
+                timeout_sec=runner_timeout,
+                evaluator_config=ms.runner.EvaluatorConfig(number=5, repeat=3, min_repeat_ms=20),
+                f_alloc_argument=alloc_valid_arguments,
+            ),
+            database=database,
+            cost_model=ms.cost_model.XGBModel(extractor=ms.feature_extractor.PerStoreFeature(), adaptive_training=True),
+            measure_callbacks=callbacks,
+            task_scheduler="gradient",
+        )
+    seconds = time.perf_counter() - start
+    from .dispatch import best_record
+
+    best = {}
+    for problem in problems:
+        found = best_record(problem, target, log_dir)
+        if found is not None:
+            best[problem.key()] = (found.candidate, found.seconds)
+    return TuneResult(str(path), seconds, total, best)
