@@ -295,6 +295,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_problem_options(build)
     build.set_defaults(func=cmd_build)
 
+    from .relax.cli import add_subcommand as add_relax
+
+    add_relax(sub)
+
     show = sub.add_parser("show", help="print contract, TE compute, scheduled TIR, trace and source")
     show.add_argument("op", help="bn_stats or cross_entropy")
     show.add_argument("shape", help="e.g. 64x256x56x56")
