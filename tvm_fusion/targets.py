@@ -54,6 +54,26 @@ def resolve(target: Any) -> Target:
     raise TypeError(f"target must be a str, a dict or a tvm.target.Target, got {target!r}")
 
 
+# What MetaSchedule's VerifyGPUCode checks a CUDA program against (sm_90 limits for
+# a block; 48 KB is the static shared memory a block gets without opting in).
+CUDA_LIMITS = {
+    "max_threads_per_block": 1024,
+    "max_num_threads": 1024,
+    "thread_warp_size": 32,
+    "max_shared_memory_per_block": 49152,
+    "registers_per_block": 65536,
+}
+
+
+def with_limits(target: Target) -> Target:
+    """A CUDA target carrying the per-block limits tuning verifies against."""
+    if target.kind.name != "cuda" or "max_threads_per_block" in target.attrs:
+        return target
+    spec = dict(target.export())
+    spec = {k: v for k, v in spec.items() if k not in ("keys", "tag") and v is not None}
+    return Target({**CUDA_LIMITS, **spec})
+
+
 def key(target: Target) -> str:
     """Short stable name for caches and log folders, e.g. ``cuda_sm_90``, ``llvm``."""
     if target.kind.name == "cuda":

@@ -36,6 +36,7 @@ from .cross_entropy_block_per_row import THREADS_BY_VECTORS, THREADS_MAX
 
 
 ONLINE_ROW_BYTES = 8192
+SMS = 132  # H200
 
 
 @dataclass(frozen=True)
@@ -54,10 +55,12 @@ class CrossEntropyOnline(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def prefers(self, problem: CrossEntropyProblem) -> bool:
-        # One HBM read beats two passes once rows are long: 4096x32000 fp16 on the
-        # H200 (2026-11-29) 0.0701 ms, against 0.0828 (row in shared memory) and
-        # 0.1160 (block per row, second pass through L2).
-        return problem.classes * DTYPE_BYTES[problem.dtype] >= ONLINE_ROW_BYTES
+        # One HBM read beats two passes once rows are long and fill the GPU. H200,
+        # 2026-11-29 (results/benchmarks.csv): 4096x32000 fp16 0.0694 ms against
+        # 0.0827 (row in shared memory) and 0.1153 (block per row); 16384x50257 bf16
+        # 0.5227 against 0.6403. With fewer rows than two per SM it loses:
+        # 128x32000 fp16 0.0123 against 0.0085 for a block per row.
+        return problem.classes * DTYPE_BYTES[problem.dtype] >= ONLINE_ROW_BYTES and problem.batch >= 2 * SMS
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
         return {"threads": [128, 256, 512, 1024], "unroll": [1, 4, 16]}
