@@ -94,22 +94,8 @@ def _problem(op: str, shape: tuple[int, ...], dtype: str, args: argparse.Namespa
 def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
-    cases = None
-    if args.shapes:
-        ops = parse_ops(args.ops)
-        if len(ops) != 1:
-            raise UsageError("--shapes needs exactly one op in --ops")
-        dtype = parse_dtype(args.dtype or "float16")
-        cases = [bench.Case(ops[0], parse_shape(s), dtype, tuple(sorted(_options(args).items()))) for s in args.shapes]
-        for case in cases:
-            _problem(case.op, case.shape, case.dtype, args)
-    elif args.ops != ",".join(OPS) or args.dtype:
-        on_gpu = bench.gpu_available() if args.device is None else args.device == "cuda"
-        defaults = bench.GPU_CASES if on_gpu else bench.CPU_CASES
-        ops = parse_ops(args.ops)
-        cases = [c for c in defaults if c.op in ops]
-        if args.dtype:
-            cases = [bench.Case(c.op, c.shape, parse_dtype(args.dtype), c.options) for c in cases]
+    on_gpu = bench.gpu_available() if args.device is None else args.device == "cuda"
+    cases = [bench.Case(op, shape, dtype, tuple(sorted(o.items()))) for op, shape, dtype, o in _cases(args, on_gpu)]
     csv_path = None if args.no_record else os.path.join(args.results, bench.CSV_NAME)
     providers = set(args.providers.split(",")) if args.providers else None
     bench.run(cases, device=args.device, csv_path=csv_path, plots=None if args.no_record else args.results,
@@ -254,6 +240,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True)
 
+    def add_cases(p: argparse.ArgumentParser, target: bool = True) -> None:
+        p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: both)")
+        p.add_argument("--shapes", nargs="+", help="shapes like 4096x32000 (default: the bench shapes)")
+        p.add_argument("--dtype", help="input dtype (default: each default shape's own, float16 for --shapes)")
+        if target:
+            p.add_argument("--target", help="cuda, llvm or a JSON target dict (default: cuda with a GPU)")
+        add_problem_options(p)
+
     def add_problem_options(p: argparse.ArgumentParser) -> None:
         p.add_argument("--layout", choices=["NCHW", "NHWC"], help="bn_stats layout (default NCHW)")
         p.add_argument("--reduction", choices=["none", "mean", "sum"], help="cross_entropy reduction")
@@ -261,38 +255,27 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--ignore-index", dest="ignore_index", type=int, help="cross_entropy ignore_index")
 
     bench = sub.add_parser("bench", help="time every candidate, the default pick and the peers")
-    bench.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: both)")
-    bench.add_argument("--shapes", nargs="+", help="shapes like 4096x32000 (default: DESIGN.md's table on a GPU)")
-    bench.add_argument("--dtype", help="input dtype for --shapes (default float16)")
+    add_cases(bench, target=False)
     bench.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when torch sees a GPU")
     bench.add_argument("--providers", help="comma-separated subset, e.g. 'tvm_fusion,torch eager'")
     bench.add_argument("--results", default="results", help="folder of the CSV and the PNGs")
     bench.add_argument("--no-record", action="store_true", help="print only: no CSV rows, no PNGs")
-    add_problem_options(bench)
     bench.set_defaults(func=cmd_bench)
 
     tune = sub.add_parser("tune", help="tune shapes with MetaSchedule and write tuning logs")
-    tune.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: both)")
-    tune.add_argument("--shapes", nargs="+", help="shapes like 4096x32000 (default: the bench shapes)")
-    tune.add_argument("--dtype", help="input dtype (default: each default shape's own, float16 for --shapes)")
-    tune.add_argument("--target", help="cuda, llvm or a JSON target dict (default: cuda with a GPU)")
+    add_cases(tune)
     tune.add_argument("--trials", type=int, default=32, help="trials per shape (default 32)")
     tune.add_argument("--log-dir", dest="log_dir", default="tuning_logs", help="log folder (default tuning_logs)")
     tune.add_argument("--each", action="store_true", help="tune shapes one at a time (time each)")
     tune.add_argument("--compare", action="store_true",
                       help="then time every candidate (default and tuned knobs) against the tuner's pick (GPU)")
     tune.add_argument("--results", default="results", help="folder of the results CSV for --compare")
-    add_problem_options(tune)
     tune.set_defaults(func=cmd_tune)
 
     build = sub.add_parser("build", help="export a shared library of kernels plus a JSON manifest")
-    build.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: both)")
-    build.add_argument("--shapes", nargs="+", help="shapes like 4096x32000 (default: the bench shapes)")
-    build.add_argument("--dtype", help="input dtype")
-    build.add_argument("--target", help="cuda, llvm or a JSON target dict (default: cuda with a GPU)")
+    add_cases(build)
     build.add_argument("--log-dir", dest="log_dir", default=None, help="extra tuning log folder")
     build.add_argument("--out", default="build", help="output folder (default build)")
-    add_problem_options(build)
     build.set_defaults(func=cmd_build)
 
     from .relax.cli import add_subcommand as add_relax

@@ -71,9 +71,9 @@ class BNStatsSplitPlane(Candidate):
 
     def prefers(self, problem: BNStatsProblem) -> bool:
         # Fewer channels than SMs: a block per channel leaves SMs idle. H200 bench of
-        # 2026-11-29 (results/benchmarks.csv): 32x64x112x112 fp16 0.0233 ms against
-        # 0.0312 for a block per channel; 8x3x224x224 0.0056 against 0.0297; but
-        # 64x256x56x56 (256 channels) 0.0399 against 0.0349.
+        # 2026-11-29 (results/benchmarks.csv): 32x64x112x112 fp16 0.0166 ms against
+        # 0.0317 for a block per channel; 8x3x224x224 0.0045 against 0.0303; but
+        # 64x256x56x56 (256 channels) 0.0400 against 0.0350.
         return problem.channels < SMS and problem.count >= 16384
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:

@@ -55,8 +55,8 @@ class BNStatsWarpPerChannel(Candidate):
         return problem.op == self.op and not problem.channels_last and problem.count <= COUNT_MAX
 
     def prefers(self, problem: BNStatsProblem) -> bool:
-        # 256x2048x7x7 fp16 on the H200 (2026-11-29): 0.0331 ms against 0.0235 for a
-        # block per channel, so it waits for a tuning record to win somewhere.
+        # 256x2048x7x7 fp16 on the H200 (2026-11-29, results/benchmarks.csv): 0.0335 ms
+        # against 0.0236 for a block per channel, so it waits for a tuning record.
         return False
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
