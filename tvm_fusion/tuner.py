@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import psutil
 import tvm
+import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 from tvm.target import Target
@@ -153,13 +154,24 @@ def measure_default(problem: Problem, target: Target, builder: Any, runner: Any,
     if built.error_msg:
         return False
     args_info = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
-    (future,) = runner.run([ms.runner.RunnerInput(built.artifact_path, target.kind.name, args_info)])
+    device_type = "cuda" if target.kind.name == "cuda" else "cpu"  # as MetaSchedule names devices
+    (future,) = runner.run([ms.runner.RunnerInput(built.artifact_path, device_type, args_info)])
     result = future.result()
     if result.error_msg or not result.run_secs:
         return False
     workload = database.commit_workload(tvm.IRModule({"main": prim_func(problem, cand.algorithm)}))
     database.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, result.run_secs, target, args_info))
     return True
+
+
+def _no_interactive_table() -> None:
+    """Under Jupyter, MetaSchedule draws its task table with pandas, which this package
+    does not need: print nothing there (the progress callback reports instead)."""
+    name = "s_tir.meta_schedule.print_interactive_table"
+    try:
+        import pandas  # noqa: F401
+    except ImportError:
+        tvm_ffi.register_global_func(name, lambda *_: None, override=True)
 
 
 @dataclasses.dataclass
@@ -204,6 +216,7 @@ def tune(
     ]
     if progress is not None:
         callbacks.append(Progress(total, progress))
+    _no_interactive_table()
     start = time.perf_counter()
     with tvm.transform.PassContext(opt_level=3), target:
         for problem in problems:
