@@ -72,16 +72,22 @@ def _annotations(sch: tvm.s_tir.Schedule, op: str) -> tuple[str, Knobs]:
 
 
 _CHOICES: dict[tuple, Choice] = {}
+_KERNELS: dict[tuple, Kernel] = {}
 
 
-def choose(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None) -> Choice:
-    """The choice for ``problem``, cached until a searched log changes."""
+def _cache_key(problem: Problem, target: Target, log_dir: str | os.PathLike | None) -> tuple:
+    """The problem, the target and the state of every searched log."""
     logs = tuple(
         (str(path), (path / records.RECORDS).stat().st_mtime)
         for path in (records.folder(base, target) for base in records.search_paths(log_dir))
         if (path / records.RECORDS).exists()
     )
-    key = (problem, str(target), logs)
+    return (problem, str(target), logs)
+
+
+def choose(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None) -> Choice:
+    """The choice for ``problem``, cached until a searched log changes."""
+    key = _cache_key(problem, target, log_dir)
     if key not in _CHOICES:
         _CHOICES[key] = _choose(problem, target, log_dir)
     return _CHOICES[key]
@@ -106,8 +112,13 @@ def _choose(problem: Problem, target: Target, log_dir: str | os.PathLike | None)
 
 
 def kernel_for(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None) -> Kernel:
-    choice = choose(problem, target, log_dir)
-    return build_kernel(problem, target, choice.candidate, choice.knobs, choice.source, mod=choice.mod)
+    """The compiled kernel of the choice (looked up once per problem and log state:
+    the eager API calls this on every call)."""
+    key = _cache_key(problem, target, log_dir)
+    if key not in _KERNELS:
+        choice = choose(problem, target, log_dir)
+        _KERNELS[key] = build_kernel(problem, target, choice.candidate, choice.knobs, choice.source, mod=choice.mod)
+    return _KERNELS[key]
 
 
 def explain(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None) -> str:
