@@ -22,12 +22,6 @@ def outputs_to(sch: s_tir.Schedule, block: SBlockRV, scope: str) -> None:
         sch.set_scope(block, index, scope)
 
 
-def fuse_inner(sch: s_tir.Schedule, block: SBlockRV, keep_outer: int) -> LoopRV:
-    """Fuse the block's loops below the first ``keep_outer`` ones into one loop."""
-    loops = sch.get_loops(block)[keep_outer:]
-    return loops[0] if len(loops) == 1 else sch.fuse(*loops)
-
-
 def unroll(sch: s_tir.Schedule, loop: LoopRV, max_step: Any) -> None:
     sch.annotate(loop, UNROLL_KEY, max_step)
     sch.annotate(loop, "pragma_unroll_explicit", 1)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import tvm
 
-from helpers import TOLERANCES, assert_close, np_dtype, random_floats, rng
+from helpers import TOLERANCES, assert_close, random_floats, rng
 from tvm_fusion.compute import ALGORITHMS, prim_func
 from tvm_fusion.contracts import bn_stats_problem, cross_entropy_problem
 from tvm_fusion.contracts import bn_stats as bn_ref

@@ -28,10 +28,9 @@ import numpy as np
 from . import __version__, registry, targets
 from .api import make_problem
 from .compute import prim_func
-from .contracts import BNStatsProblem, CrossEntropyProblem
+from .contracts import BNStatsProblem
 from .contracts import bn_stats as bn_contract
 from .contracts import cross_entropy as ce_contract
-from .contracts.common import DTYPE_BYTES
 from .dispatch import choose
 from .kernel import Kernel, build_kernel
 

@@ -113,10 +113,5 @@ def build_kernel(
         return _CACHE.setdefault(cache_key, kernel)
 
 
-def clear_cache() -> None:
-    with _LOCK:
-        _CACHE.clear()
-
-
 def cache_size() -> int:
     return len(_CACHE)

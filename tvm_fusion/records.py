@@ -17,7 +17,6 @@ import logging
 import os
 import pathlib
 
-import tvm
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 

@@ -33,7 +33,7 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import lanes_split, read_index, single_thread, unroll
-from .common import MAX_THREADS, vector_choices
+from .common import vector_choices
 
 SMS = 132
 FINALIZE_THREADS = 128
