@@ -204,3 +204,23 @@ def test_runs_on_torch_current_stream():
         loss = tf.cross_entropy(logits, target, check_targets=False)
     stream.synchronize()
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.float(), target), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_small_cuda_tune_records_dispatch_and_a_correct_kernel(tmp_path):
+    from tvm_fusion import dispatch
+
+    shape = (512, 4096)
+    result = tf.tune("cross_entropy", shape=shape, dtype="float16", target="cuda", trials=4, log_dir=str(tmp_path))
+    assert result.best, "the CUDA tune measured nothing"
+    problem = tf.make_problem("cross_entropy", shape, "float16")
+    choice = dispatch.choose(problem, cuda_target(), str(tmp_path))
+    assert choice.source == "record" and choice.mod is not None
+    kernel = dispatch.kernel_for(problem, cuda_target(), str(tmp_path))
+    logits = torch.randn(*shape, device="cuda").half()
+    target = torch.randint(0, shape[1], (shape[0],), device="cuda")
+    target[::9] = -100
+    loss, first_bad = run_kernel(kernel, [logits, target])[-2:]
+    ref = torch.nn.functional.cross_entropy(logits.double(), target).item()
+    assert first_bad[0] == shape[0]  # no bad target flagged
+    assert abs(float(loss.reshape(-1)[0]) - ref) < 1e-4 * abs(ref)

@@ -171,3 +171,20 @@ def test_cli_show_prints_every_level():
     assert out.returncode == 0, out.stderr
     for section in ("contract", "TE compute", "dispatch", "scheduled TIR", "trace", "LLVM IR"):
         assert f"==== {section}" in out.stdout
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_runner_arguments_are_valid_class_indices_and_real_logits(dtype):
+    import tvm
+    from tvm_fusion import tuner
+
+    problem = tf.make_problem("cross_entropy", (512, 3000), dtype)
+    func = tf.compute.prim_func(problem, "three_pass")
+    args_info = [(str(p.name), str(p.dtype), [int(d) for d in p.shape]) for p in func.params]
+    (args,) = tuner.alloc_valid_arguments(tvm.cpu(), [info for info in args_info], 1)
+    logits = args[0].numpy().astype(np.float32)
+    target = args[1].numpy()
+    assert np.isfinite(logits).all() and 0.5 < logits.std() < 2.0  # real values, not random bits
+    assert len(np.unique(logits[0])) > 1000 and not np.array_equal(logits[0], logits[1])
+    valid = (target >= 0) & (target < 3000)
+    assert ((target == -100) | valid).all() and valid.sum() > 400 and (target == -100).any()

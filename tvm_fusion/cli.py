@@ -140,30 +140,32 @@ def cmd_tune(args: argparse.Namespace) -> int:
     cases = _cases(args, target.kind.name == "cuda")
     bar = tqdm(total=args.trials * len(cases), unit="trial", desc="tuning")
 
+    done_before = 0  # trials of the shapes tuned earlier in this command
+
     def progress(done: int, best: float) -> None:
-        bar.n = min(done, bar.total)
+        bar.n = min(done_before + done, bar.total)
         bar.set_postfix_str(f"best {best * 1e3:.4f} ms" if best < float("inf") else "no result yet")
         bar.refresh()
 
-    batches = [[case] for case in cases] if args.each else [cases]
-    seconds: dict[str, float] = {}
-    for batch in batches:
-        result = tune_many(batch, target, args.trials, args.log_dir, progress)
-        for key in result.best:
-            seconds[key] = result.seconds
-        print(f"\ntuned {len(batch)} shape(s) in {result.seconds:.1f} s; log: {result.log_dir}")
-        for key, (candidate, best) in result.best.items():
-            print(f"  {key}: {candidate} {best * 1e3:.4f} ms")
-    bar.close()
-    for path in records.plot_curves(result.log_dir):
-        print(f"  curve: {path}")
     if args.compare:
         from . import bench
 
         if target.kind.name != "cuda" or not bench.gpu_available():
             raise UsageError("--compare times kernels on the GPU: it needs --target cuda and a GPU")
-        bench_cases = [bench.Case(op, shape, dtype, tuple(sorted(o.items()))) for op, shape, dtype, o in cases]
-        bench.compare_tuning(bench_cases, args.log_dir, seconds, os.path.join(args.results, bench.CSV_NAME))
+    batches = [[case] for case in cases] if args.each else [cases]
+    for batch in batches:
+        result = tune_many(batch, target, args.trials, args.log_dir, progress)
+        print(f"\ntuned {len(batch)} shape(s) in {result.seconds:.1f} s; log: {result.log_dir}")
+        for key, (candidate, best) in result.best.items():
+            print(f"  {key}: {candidate} {best * 1e3:.4f} ms")
+        if args.compare:  # shape by shape, so a long run keeps what it has compared
+            seconds = dict.fromkeys(result.best, result.seconds)
+            bench_cases = [bench.Case(op, shape, dtype, tuple(sorted(o.items()))) for op, shape, dtype, o in batch]
+            bench.compare_tuning(bench_cases, args.log_dir, seconds, os.path.join(args.results, bench.CSV_NAME))
+        done_before += args.trials * len(batch)
+    bar.close()
+    for path in records.plot_curves(result.log_dir):
+        print(f"  curve: {path}")
     return 0
 
 
