@@ -124,14 +124,15 @@ def hardware_name(on_gpu: bool) -> str:
 def version_string() -> str:
     import tvm
 
-    sha = ""
-    try:
-        sha = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
-            cwd=os.path.dirname(os.path.abspath(__file__)),
-        ).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        pass
+    sha = os.environ.get("TVM_FUSION_REVISION", "")  # set where the copy's .git is stale (the GPU host)
+    if not sha:
+        try:
+            sha = subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True,
+                cwd=os.path.dirname(os.path.abspath(__file__)),
+            ).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            pass
     return f"tvm_fusion {__version__}{'+' + sha if sha else ''} / tvm {tvm.__version__}"
 
 
