@@ -27,7 +27,7 @@ import numpy as np
 
 from . import __version__, registry, targets
 from .api import make_problem
-from .compute import prim_func
+from .compute import prim_func, problem_of
 from .contracts import BNStatsProblem
 from .contracts import bn_stats as bn_contract
 from .contracts import cross_entropy as ce_contract
@@ -718,10 +718,8 @@ def candidate_records(problem, target, log_dir) -> dict[str, Any]:
     for _, db in records.databases(log_dir, target):
         for record in db.get_all_tuning_records():
             func = record.workload.mod["main"]
-            if "tvm_fusion.problem" not in func.attrs or not record.run_secs:
-                continue
-            if str(func.attrs["tvm_fusion.problem"]) != prim_func(problem, str(func.attrs["tvm_fusion.algorithm"])).attrs["tvm_fusion.problem"]:
-                continue
+            if "tvm_fusion.problem" not in func.attrs or not record.run_secs or problem_of(func) != problem:
+                continue  # another problem's record (a log holds many)
             sch = tvm.s_tir.Schedule(record.workload.mod)
             record.trace.apply_to_schedule(sch, remove_postproc=False)
             name, knobs = _annotations(sch, problem.op)
