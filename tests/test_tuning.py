@@ -15,6 +15,7 @@ import time
 
 import numpy as np
 import pytest
+import tvm
 
 import tvm_fusion as tf
 from helpers import assert_close, random_floats, rng
@@ -188,3 +189,24 @@ def test_runner_arguments_are_valid_class_indices_and_real_logits(dtype):
     assert len(np.unique(logits[0])) > 1000 and not np.array_equal(logits[0], logits[1])
     valid = (target >= 0) & (target < 3000)
     assert ((target == -100) | valid).all() and valid.sum() > 400 and (target == -100).any()
+
+
+@pytest.mark.parametrize("other_ms, picked", [(0.995, "default"), (0.9, "other")])
+def test_a_record_displaces_the_default_only_when_clearly_faster(tmp_path, other_ms, picked):
+    from tvm_fusion import registry
+    from tvm_fusion.compute import prim_func
+
+    problem = tf.make_problem("cross_entropy", SHAPE, "float32")
+    cand = registry.default_candidate(problem, CPU)
+    default_knobs = cand.default_for(problem, CPU)
+    other_knobs = next(k for k in cand.all_configs(problem, CPU) if k != default_knobs)
+    db = records.json_database(records.folder(tmp_path, CPU))
+    workload = db.commit_workload(tvm.IRModule({"main": prim_func(problem, cand.algorithm)}))
+    for knobs, ms_taken in ((default_knobs, 1.0), (other_knobs, other_ms)):
+        sch = cand.apply(prim_func(problem, cand.algorithm), CPU, knobs=knobs)
+        args = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
+        db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, [ms_taken * 1e-3], CPU, args))
+    choice = dispatch.choose(problem, CPU, tmp_path)
+    assert choice.source == "record"
+    assert choice.knobs == (default_knobs if picked == "default" else other_knobs)
+    assert ("default pick stays" in choice.reason) == (picked == "default")
