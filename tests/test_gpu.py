@@ -22,7 +22,7 @@ import pytest
 
 import tvm_fusion as tf
 from helpers import TOLERANCES, has_gpu, torch_or_none
-from tvm_fusion import registry, targets
+from tvm_fusion import bench, registry, targets
 from tvm_fusion.kernel import build_kernel
 
 pytestmark = pytest.mark.gpu
@@ -127,12 +127,8 @@ def rel_err(actual, expected, scale):
     return float(np.max(np.abs(actual[mask] - expected[mask]) / scale, initial=0.0))
 
 
-@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
-@pytest.mark.parametrize("shape, layout, dtype, candidate", list(bn_cases()))
-def test_bn_stats_candidate_on_gpu(shape, layout, dtype, candidate):
+def assert_bn_kernel_correct(kernel, shape, layout, dtype):
     x, ref_mean, ref_var = bn_data(shape, layout, dtype)
-    problem = tf.make_problem("bn_stats", shape, dtype, layout=layout)
-    kernel = build_kernel(problem, cuda_target(), candidate)
     mean, var = run_kernel(kernel, [x])
     std = float(np.sqrt(ref_var.max()))
     tol = 4 * TOLERANCES[dtype]["atol"]
@@ -140,17 +136,42 @@ def test_bn_stats_candidate_on_gpu(shape, layout, dtype, candidate):
     assert rel_err(var, ref_var, ref_var.max()) < tol
 
 
-@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
-@pytest.mark.parametrize("shape, options, dtype, candidate", list(ce_cases()))
-def test_cross_entropy_candidate_on_gpu(shape, options, dtype, candidate):
+def assert_ce_kernel_correct(kernel, shape, options, dtype):
     logits, target, weight, ref = ce_data(shape, options, dtype)
-    problem = tf.make_problem("cross_entropy", shape, dtype, **dict(options))
-    kernel = build_kernel(problem, cuda_target(), candidate)
     outs = run_kernel(kernel, [logits, target] + ([weight] if weight is not None else []))
     loss, first_bad = outs[-2], outs[-1]
     assert first_bad[0] == shape[0]
     scale = max(1.0, float(np.nanmax(np.abs(ref))))
     assert rel_err(loss.reshape(-1), ref, scale) < 4 * TOLERANCES[dtype]["rtol"] * np.log2(shape[1] + 2)
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, layout, dtype, candidate", list(bn_cases()))
+def test_bn_stats_candidate_on_gpu(shape, layout, dtype, candidate):
+    problem = tf.make_problem("bn_stats", shape, dtype, layout=layout)
+    assert_bn_kernel_correct(build_kernel(problem, cuda_target(), candidate), shape, layout, dtype)
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, options, dtype, candidate", list(ce_cases()))
+def test_cross_entropy_candidate_on_gpu(shape, options, dtype, candidate):
+    problem = tf.make_problem("cross_entropy", shape, dtype, **dict(options))
+    assert_ce_kernel_correct(build_kernel(problem, cuda_target(), candidate), shape, options, dtype)
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("case", bench.GPU_CASES, ids=lambda c: c.label().replace(" ", "-"))
+def test_shipped_tuning_record_kernels_are_correct(case):
+    """The tuned knobs of tuning_logs/cuda_sm_90, which dispatch uses for the table shapes."""
+    from tvm_fusion import dispatch
+
+    problem = case.problem
+    assert dispatch.choose(problem, cuda_target()).source == "record"
+    kernel = dispatch.kernel_for(problem, cuda_target())
+    if case.op == "bn_stats":
+        assert_bn_kernel_correct(kernel, case.shape, "NCHW", case.dtype)
+    else:
+        assert_ce_kernel_correct(kernel, case.shape, (), case.dtype)
 
 
 @pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
