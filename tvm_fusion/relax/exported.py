@@ -68,7 +68,7 @@ def compile_exported(
             raise FileNotFoundError(f"compile_exported: no exported program at {str(path)!r}")
         program = torch.export.load(path)
     imported = import_exported(program, running_stats=mode == "train")
-    passes = ([FoldBatchNorm()] if mode == "eval" else []) + [FuseReductions(target, log_dir)]
+    passes = ([FoldBatchNorm(target)] if mode == "eval" else []) + [FuseReductions(target, log_dir)]
     mod, report = imported.mod, []
     for graph_pass in passes:
         mod = graph_pass(mod)
