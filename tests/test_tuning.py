@@ -210,3 +210,16 @@ def test_a_record_displaces_the_default_only_when_clearly_faster(tmp_path, other
     assert choice.source == "record"
     assert choice.knobs == (default_knobs if picked == "default" else other_knobs)
     assert ("default pick stays" in choice.reason) == (picked == "default")
+
+
+def test_candidate_records_give_each_candidates_fastest_record_of_this_problem(tuned):
+    from tvm_fusion import bench
+
+    log_dir, _ = tuned
+    problem = tf.make_problem("cross_entropy", SHAPE, "float32")
+    found = bench.candidate_records(problem, CPU, log_dir)
+    best = dispatch.records_of(problem, CPU, log_dir)
+    assert set(found) == {f.candidate for f in best}
+    fastest = min(best, key=lambda f: f.seconds)
+    assert found[fastest.candidate][0] == fastest.knobs
+    assert bench.candidate_records(tf.make_problem("cross_entropy", (16, 128), "float32"), CPU, log_dir) == {}

@@ -27,7 +27,7 @@ import numpy as np
 
 from . import __version__, registry, targets
 from .api import make_problem
-from .compute import prim_func, problem_of
+from .compute import prim_func
 from .contracts import BNStatsProblem
 from .contracts import bn_stats as bn_contract
 from .contracts import cross_entropy as ce_contract
@@ -708,25 +708,13 @@ def run(cases: list[Case] | None = None, device: str | None = None, csv_path: st
 
 # -- tuner against exhaustive timing -------------------------------------------------
 def candidate_records(problem, target, log_dir) -> dict[str, Any]:
-    """The best tuning record of each candidate for ``problem``: name -> scheduled mod."""
-    import tvm
+    """The best tuning record of each candidate for ``problem``: name -> (knobs, scheduled mod)."""
+    from .dispatch import records_of
 
-    from . import records
-    from .dispatch import _annotations
-
-    best: dict[str, tuple[float, Any]] = {}
-    for _, db in records.databases(log_dir, target):
-        for record in db.get_all_tuning_records():
-            func = record.workload.mod["main"]
-            if "tvm_fusion.problem" not in func.attrs or not record.run_secs or problem_of(func) != problem:
-                continue  # another problem's record (a log holds many)
-            sch = tvm.s_tir.Schedule(record.workload.mod)
-            record.trace.apply_to_schedule(sch, remove_postproc=False)
-            name, knobs = _annotations(sch, problem.op)
-            seconds = statistics.median(float(s) for s in record.run_secs)
-            if name not in best or seconds < best[name][0]:
-                best[name] = (seconds, (knobs, sch.mod))
-    return {name: value for name, (_, value) in best.items()}
+    best: dict[str, Any] = {}
+    for found in sorted(records_of(problem, target, log_dir), key=lambda f: f.seconds):
+        best.setdefault(found.candidate, (found.knobs, found.mod))
+    return best
 
 
 def compare_tuning(cases: list[Case], log_dir: str, tune_seconds: dict[str, float], csv_path: str | None,

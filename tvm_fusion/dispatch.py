@@ -52,7 +52,7 @@ MIN_GAIN = 0.01
 def best_record(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None) -> Found | None:
     """The fastest tuning record of ``problem`` on ``target`` in the searched logs, or
     the default pick's own record when none beats it by ``MIN_GAIN``."""
-    found = _records(problem, target, log_dir)
+    found = records_of(problem, target, log_dir)
     if not found:
         return None
     best = min(found, key=lambda f: f.seconds)
@@ -67,7 +67,7 @@ def best_record(problem: Problem, target: Target, log_dir: str | os.PathLike | N
     return best
 
 
-def _records(problem: Problem, target: Target, log_dir: str | os.PathLike | None) -> list[Found]:
+def records_of(problem: Problem, target: Target, log_dir: str | os.PathLike | None) -> list[Found]:
     """Every measured record of ``problem`` on ``target``, with its candidate and knobs."""
     found = []
     algorithms = {c.algorithm for c in registry.applicable(problem, target)}
@@ -154,4 +154,4 @@ def explain(problem: Problem, target: Target, log_dir: str | os.PathLike | None 
     return f"{problem.describe()}\n-> {choice.candidate} [{choice.knobs}] ({choice.source}): {choice.reason}"
 
 
-__all__ = ["Choice", "best_record", "choose", "explain", "kernel_for", "schedule_for"]
+__all__ = ["Choice", "best_record", "choose", "explain", "kernel_for", "records_of", "schedule_for"]
