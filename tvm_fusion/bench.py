@@ -491,9 +491,14 @@ def _torch_providers(case: Case, torch_sets: list[dict[str, Any]]) -> list[Provi
 
 
 # -- the run -------------------------------------------------------------------------
+def copies_for(nbytes: int) -> int:
+    """Argument sets to cycle through on the GPU so that ``nbytes`` a launch are read
+    from HBM, not from a warm L2."""
+    return max(1, min(MAX_COPIES, math.ceil(ROTATION_BYTES / max(nbytes, 1))))
+
+
 def rotated_sets(case: Case, on_gpu: bool) -> int:
-    nbytes = case.problem.bytes_moved
-    return 1 if not on_gpu else max(1, min(MAX_COPIES, math.ceil(ROTATION_BYTES / nbytes)))
+    return copies_for(case.problem.bytes_moved) if on_gpu else 1
 
 
 def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: set[str] | None, log) -> list[Result]:

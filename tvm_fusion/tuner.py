@@ -121,13 +121,11 @@ def graph_replay_evaluator(rt_mod: Any, device: Any, evaluator_config: Any, repe
         on_cuda = False
     if not on_cuda:
         return run_evaluator_common(rt_mod, device, evaluator_config, repeated_args)
-    from .bench import MAX_COPIES, ROTATION_BYTES, time_gpu
+    from .bench import copies_for, time_gpu
 
     func, first = rt_mod["main"], repeated_args[0]
     nbytes = sum(t.numel() * tvm.runtime.DataType(str(t.dtype)).itemsize for t in first)
-    sets = [first]
-    for _ in range(max(1, min(MAX_COPIES, -(-ROTATION_BYTES // max(nbytes, 1)))) - 1):
-        sets.append([t.copyto(device) for t in first])
+    sets = [first] + [[t.copyto(device) for t in first] for _ in range(copies_for(nbytes) - 1)]
     median_ms, _ = time_gpu([lambda args=args: func(*args) for args in sets])
     return [median_ms * 1e-3]
 
