@@ -14,6 +14,11 @@ Kernel 1, grid (splits, channel groups), block (channel lanes, rows):
 2. ``threadIdx.x`` owns ``vector`` consecutive channels (one 16-byte load per row,
    staged in registers) and accumulates ``d = x - K[c]`` and ``d^2`` in registers
    over its rows (``cache_write`` to ``local``), writing its partials once.
+   The accumulators are zeroed before the row loop (``decompose_reduction``), not
+   under its bounds predicate: when ``splits * rows`` outruns the rows, the last
+   blocks own no row at all, and an init that only ran with the first valid row
+   left their registers unset. Their garbage partials made the variance of
+   100352x64 fp16 (splits=528, rows=16) reach 3e31 on the H200.
 Kernel 2, grid (C,):
 3. One block per channel sums its P partials across lanes (``__shfl_down_sync``)
    and thread 0 writes mean and var.
@@ -105,6 +110,7 @@ class BNStatsChannelsLast(Candidate):
         sch.compute_at(stage, step, preserve_unit_loops=True)
         sch.vectorize(sch.get_loops(stage)[-1])
         unroll(sch, step, knobs.unroll)
+        sch.decompose_reduction(partial, step)  # zero every partial, rows or not
         # 3. Kernel 2: a block per channel sums its partials.
         mean, var = sch.get_sblock("mean"), sch.get_sblock("var")
         final = sch.merge(sch.get_loops(mean)[0], sch.get_loops(var)[0])
