@@ -11,6 +11,8 @@ device. Why each awkward shape is here:
 * B=1: one row, one block busy (split-row candidates).
 * all targets ignored: the mean is NaN, as in torch.
 * 16384x151936 bf16: 2.5e9 elements, past 2^31: 64-bit offsets.
+* (M, C) 100352x64, 3136x2048 and NHWC 128x56x56x256: channels-last splits whose
+  last blocks own no row (their partials were once left unset: garbage variance).
 """
 
 from __future__ import annotations
@@ -32,7 +34,9 @@ BN_SHAPES = [
     ((64, 256, 56, 56), "NCHW"), ((32, 64, 112, 112), "NCHW"), ((256, 2048, 7, 7), "NCHW"),
     ((8, 3, 224, 224), "NCHW"), ((8, 32, 1009), "NCHW"), ((32, 56, 56, 64), "NHWC"),
     ((64, 7, 7, 2048), "NHWC"), ((1, 3, 5, 5), "NCHW"), ((1000, 3), "NCHW"),
+    ((100352, 64), "NHWC"), ((3136, 2048), "NHWC"), ((16, 14, 14, 32), "NHWC"),
 ]
+BIG_BN_SHAPES = [((128, 56, 56, 256), "NHWC"), ((32, 56, 56, 256), "NHWC")]  # bf16 only
 CE_SHAPES = [
     ((4096, 32000), {}), ((8192, 128256), {}), ((65536, 1000), {}), ((16384, 50257), {}),
     ((128, 32000), {}), ((1, 151936), {}), ((3, 50257), {"reduction": "none"}),
@@ -47,11 +51,12 @@ def cuda_target():
 
 
 def bn_cases():
-    for shape, layout in BN_SHAPES:
-        for dtype in DTYPES:
-            problem = tf.make_problem("bn_stats", shape, dtype, layout=layout)
-            for cand in registry.applicable(problem, targets.resolve({"kind": "cuda", "arch": "sm_90"})):
-                yield pytest.param(shape, layout, dtype, cand.name, id=f"{cand.name}-{problem.key()}")
+    cases = [(shape, layout, dtype) for shape, layout in BN_SHAPES for dtype in DTYPES]
+    cases += [(shape, layout, "bfloat16") for shape, layout in BIG_BN_SHAPES]
+    for shape, layout, dtype in cases:
+        problem = tf.make_problem("bn_stats", shape, dtype, layout=layout)
+        for cand in registry.applicable(problem, targets.resolve({"kind": "cuda", "arch": "sm_90"})):
+            yield pytest.param(shape, layout, dtype, cand.name, id=f"{cand.name}-{problem.key()}")
 
 
 def ce_cases():
@@ -245,3 +250,103 @@ def test_small_cuda_tune_records_dispatch_and_a_correct_kernel(tmp_path):
     ref = torch.nn.functional.cross_entropy(logits.double(), target).item()
     assert first_bad[0] == shape[0]  # no bad target flagged
     assert abs(float(loss.reshape(-1)[0]) - ref) < 1e-4 * abs(ref)
+
+
+def bad_target_batch(classes=1000, batch=256, bad_row=77):
+    logits = torch.randn(batch, classes, device="cuda")
+    target = torch.randint(0, classes, (batch,), device="cuda")
+    bad = target.clone()
+    bad[bad_row] = classes + 5
+    return logits, target, bad
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_bad_target_on_cuda_raises_at_the_next_call_and_the_context_lives():
+    logits, target, bad = bad_target_batch()
+    tf.check_targets()  # nothing pending from earlier tests
+    tf.cross_entropy(logits, bad)  # returns at once: the flag is read later
+    torch.cuda.synchronize()
+    with pytest.raises(tf.TargetOutOfRangeError, match=r"target\[77\] = 1005 is outside \[0, 1000\)"):
+        tf.cross_entropy(logits, target)
+    loss = tf.cross_entropy(logits, target)  # the context is alive and the next call right
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, target), rtol=1e-5, atol=1e-5)
+    tf.check_targets()
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_check_targets_waits_and_raises_and_many_good_calls_pass():
+    logits, target, bad = bad_target_batch(bad_row=3)
+    for _ in range(3000):  # past the ring of pinned slots
+        tf.cross_entropy(logits, target)
+    tf.check_targets()
+    tf.cross_entropy(logits, bad)
+    with pytest.raises(tf.TargetOutOfRangeError, match=r"target\[3\]"):
+        tf.check_targets()
+    tf.check_targets()  # reported once
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_default_check_launches_on_torch_current_stream():
+    stream = torch.cuda.Stream()
+    logits = torch.randn(4096, 32000, device="cuda", dtype=torch.float16)
+    target = torch.randint(0, 32000, (4096,), device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        loss = tf.cross_entropy(logits, target)
+        mean, var = tf.bn_stats(logits.view(4096, 32000, 1))
+    stream.synchronize()
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits.float(), target), rtol=1e-4, atol=1e-4)
+    ref_var, ref_mean = torch.var_mean(logits.float(), dim=0, correction=0)
+    torch.testing.assert_close(mean, ref_mean, rtol=1e-4, atol=1e-4)
+    tf.check_targets()
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_public_calls_replay_in_a_cuda_graph_on_new_data(dtype):
+    F = torch.nn.functional
+    dt = getattr(torch, dtype)
+    logits = torch.randn(512, 32000, device="cuda").to(dt)
+    target = torch.randint(0, 32000, (512,), device="cuda")
+    x = torch.randn(32, 64, 28, 28, device="cuda").to(dt)
+    xl = torch.randn(32, 28, 28, 64, device="cuda").to(dt)
+    for _ in range(2):  # warm up: build and compile outside the capture
+        tf.cross_entropy(logits, target, check_targets=False)
+        tf.bn_stats(x)
+        tf.bn_stats(xl, layout="NHWC")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = tf.cross_entropy(logits, target, check_targets=False)
+        loss_none = tf.cross_entropy(logits, target, reduction="none", check_targets=False)
+        mean, var = tf.bn_stats(x)
+        mean_l, var_l = tf.bn_stats(xl, layout="NHWC")
+    for _ in range(3):
+        logits.copy_(torch.randn(512, 32000, device="cuda").to(dt) * 3)
+        target.copy_(torch.randint(0, 32000, (512,), device="cuda"))
+        x.copy_(torch.randn(32, 64, 28, 28, device="cuda").to(dt) + 2)
+        xl.copy_(torch.randn(32, 28, 28, 64, device="cuda").to(dt) - 1)
+        for out in (loss, loss_none, mean, var, mean_l, var_l):
+            out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(loss, F.cross_entropy(logits.double(), target).float(), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(loss_none, F.cross_entropy(logits.double(), target, reduction="none").float(),
+                                   rtol=1e-5, atol=1e-5)
+        for (m, v), data, dims in (((mean, var), x, (0, 2, 3)), ((mean_l, var_l), xl, (0, 1, 2))):
+            ref_var, ref_mean = torch.var_mean(data.double(), dim=dims, correction=0)
+            torch.testing.assert_close(m, ref_mean.float(), rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(v, ref_var.float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_default_check_inside_graph_capture_is_a_clear_error():
+    logits = torch.randn(64, 1000, device="cuda")
+    target = torch.randint(0, 1000, (64,), device="cuda")
+    tf.cross_entropy(logits, target)
+    tf.check_targets()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="check_targets=False"):
+        with torch.cuda.graph(graph):
+            tf.cross_entropy(logits, target)

@@ -33,7 +33,10 @@ def _mount_schedules() -> None:
 
 _mount_schedules()
 
-from .api import OPS, bn_stats, build, cross_entropy, explain, make_problem, tune, tune_many  # noqa: E402
+from .api import (  # noqa: E402
+    OPS, bn_stats, build, check_targets, cross_entropy, explain, make_problem, tune, tune_many,
+)
+from .records import invalidate as reload_logs  # noqa: E402
 from .contracts import TargetOutOfRangeError  # noqa: E402
 
 __version__ = "0.1.0"
@@ -43,9 +46,11 @@ __all__ = [
     "TargetOutOfRangeError",
     "bn_stats",
     "build",
+    "check_targets",
     "cross_entropy",
     "explain",
     "make_problem",
+    "reload_logs",
     "tune",
     "tune_many",
 ]

@@ -7,11 +7,13 @@ the caller's kind (numpy, torch or TVM).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from . import arrays, targets
+from . import arrays, records, target_check, targets
+from .arrays import signature
 from .contracts import (
     TargetOutOfRangeError,
     bn_stats_problem,
@@ -23,6 +25,12 @@ from .kernel import Kernel
 
 OPS = ("bn_stats", "cross_entropy")
 
+# The hot path: a launcher per call signature (every argument's kind, shape, dtype,
+# device and layout, and the options), built once after the contract's checks.
+# A call is a signature, one dictionary lookup, outputs allocated, the launch.
+# Cleared when a tuning log changes in this process (records.invalidate).
+_LAUNCHERS: dict[tuple, Callable[..., Any]] = records.register_cache({})
+
 
 def bn_stats(x: Any, layout: str = "NCHW") -> tuple[Any, Any]:
     """Per-channel mean and biased variance of ``x`` in float32.
@@ -30,15 +38,27 @@ def bn_stats(x: Any, layout: str = "NCHW") -> tuple[Any, Any]:
     ``x`` has rank 2 (N, C), 3 (N, C, L) or 4, in ``layout`` "NCHW" or "NHWC"
     (channels last), dtype float16, bfloat16 or float32.
     """
+    try:
+        launch = _LAUNCHERS[("bn_stats", signature(x), layout)]
+    except (KeyError, TypeError):  # TypeError: an unhashable layout, which the contract names
+        launch = _bn_stats_launcher(x, layout)
+    return launch(x)
+
+
+def _bn_stats_launcher(x: Any, layout: Any) -> Callable[[Any], tuple[Any, Any]]:
     arg = arrays.inspect(x, "bn_stats", "x")
     problem = bn_stats_problem(arg.shape, arg.dtype, layout)
     kernel = kernel_for(problem, targets.for_device(arg.device_type))
-    x_t = arrays.to_tvm(arg)._create_view(problem.shape)
-    mean, mean_t = arrays.empty(arg, (problem.channels,), "float32")
-    var, var_t = arrays.empty(arg, (problem.channels,), "float32")
-    with arrays.stream_context(arg):
-        kernel(x_t, mean_t, var_t)
-    return mean, var
+    kind, func, shape = arrays.Kind(arg), kernel.func, problem.shape
+    empty = kind.allocator((problem.channels,), "float32")
+
+    def launch(x: Any) -> tuple[Any, Any]:
+        mean, var = empty(), empty()
+        func(kind.as_input(x, shape), mean, var)
+        return mean, var
+
+    _LAUNCHERS[("bn_stats", signature(x), layout)] = launch
+    return launch
 
 
 def cross_entropy(
@@ -53,11 +73,30 @@ def cross_entropy(
     """Cross entropy of ``logits`` (B, V) against class indices ``target`` (B,).
 
     Same meaning as ``torch.nn.functional.cross_entropy``; the loss is float32. A
-    mean over no valid row is NaN, as in torch. With ``check_targets`` (the
-    default) a target outside [0, V) that is not ``ignore_index`` raises
-    :class:`TargetOutOfRangeError` naming the first bad row; the kernel flags it
-    rather than reading out of bounds, and checking costs one host round trip.
+    mean over no valid row is NaN, as in torch. A target outside [0, V) that is
+    not ``ignore_index`` raises :class:`TargetOutOfRangeError` naming the first bad
+    row; the kernel flags it rather than reading out of bounds. With
+    ``check_targets`` (the default) the flag is read on the host: at once for
+    numpy and TVM arrays and CPU tensors; for CUDA tensors without waiting for the
+    GPU, so the error is raised by a later call or by :func:`check_targets`
+    (``tvm_fusion.target_check`` says how). ``check_targets=False`` reads nothing.
     """
+    key = (
+        "cross_entropy", signature(logits), signature(target), signature(weight),
+        ignore_index, type(ignore_index), reduction, label_smoothing, type(label_smoothing),
+        check_targets is True,
+    )
+    try:
+        launch = _LAUNCHERS[key]
+    except (KeyError, TypeError):  # TypeError: an unhashable option, which the contract names
+        launch = _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction,
+                                         label_smoothing, check_targets)
+    return launch(logits, target, weight)
+
+
+def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing,
+                            check_targets) -> Callable[[Any, Any, Any], Any]:
+    """The contract's checks, dispatch's kernel and the launch for one signature."""
     op = "cross_entropy"
     la = arrays.inspect(logits, op, "logits")
     ta = arrays.inspect(target, op, "target")
@@ -69,26 +108,47 @@ def cross_entropy(
         ignore_index, reduction, label_smoothing,
     )
     for name, other in (("target", ta), ("weight", wa)):
-        if other is not None and (other.device_type, other.device_id) != (la.device_type, la.device_id):
+        if other is not None and (other.kind, other.device_type, other.device_id) != (la.kind, la.device_type, la.device_id):
             raise ValueError(
-                f"{op}: {name} must be on the same device as logits "
-                f"({la.device_type}:{la.device_id}), got {other.device_type}:{other.device_id}"
+                f"{op}: {name} must be of the same kind and on the same device as logits "
+                f"({la.kind} on {la.device_type}:{la.device_id}), got {other.kind} on "
+                f"{other.device_type}:{other.device_id}"
             )
+    kind = arrays.Kind(la)
     if problem.batch == 0:
-        return _empty_batch_loss(la, reduction)
+        return lambda logits, target, weight: _empty_batch_loss(la, reduction)
     kernel = kernel_for(problem, targets.for_device(la.device_type))
-    inputs = [arrays.to_tvm(la), arrays.to_tvm(ta)]
-    if wa is not None:
-        inputs.append(arrays.to_tvm(_as_float32(wa)))
-    results = [arrays.empty(la, shape, dtype) for _, shape, dtype in kernel.outputs]
-    with arrays.stream_context(la):
-        kernel(*inputs, *(t for _, t in results))
-    loss, first_bad = results[-2][0], results[-1][0]
-    if check_targets:
-        row = arrays.read_int(la.kind, first_bad)
-        if row < problem.batch:
-            raise TargetOutOfRangeError(row, _target_value(ta, row), problem.classes, ignore_index)
-    return loss if reduction == "none" else arrays.scalar_view(la.kind, loss)
+    func, outputs = kernel.func, [kind.allocator(shape, dtype) for _, shape, dtype in kernel.outputs]
+    batch, classes, none = problem.batch, problem.classes, reduction == "none"
+    logits_shape, target_shape = (batch, classes), (batch,)
+    weight_to_float32 = wa is not None and wa.dtype != "float32"
+    deferred = check_targets and kind.name == "torch" and kind.cuda
+
+    def launch(logits: Any, target: Any, weight: Any) -> Any:
+        if deferred:
+            target_check.raise_finished()  # an earlier call's bad target, if it has landed
+        results = [empty() for empty in outputs]
+        inputs = [kind.as_input(logits, logits_shape), kind.as_input(target, target_shape)]
+        if weight is not None:
+            inputs.append(kind.as_input(_as_float32(weight) if weight_to_float32 else weight, (classes,)))
+        func(*inputs, *results)
+        loss, first_bad = results[-2], results[-1]
+        if deferred:
+            target_check.enqueue(first_bad, batch, classes, ignore_index, target)
+        elif check_targets:
+            row = kind.read_int(first_bad)
+            if row < batch:
+                raise TargetOutOfRangeError(row, _target_value(target, row), classes, ignore_index)
+        return loss if none else kind.scalar(loss)
+
+    _LAUNCHERS[key] = launch
+    return launch
+
+
+def check_targets() -> None:
+    """Wait for the pending CUDA cross entropy calls and raise
+    :class:`TargetOutOfRangeError` for the first that had a bad target."""
+    target_check.check_targets()
 
 
 def build(op: str, shape: Any, dtype: str = "float32", target: Any = "cuda", **options: Any) -> Kernel:
@@ -133,7 +193,10 @@ def tune_many(
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"tune: trials must be a positive int, got {trials!r}")
     problems = [make_problem(op, shape, dtype, **options) for op, shape, dtype, options in specs]
-    return run_tuner(problems, targets.resolve(target), trials, log_dir, progress)
+    try:
+        return run_tuner(problems, targets.resolve(target), trials, log_dir, progress)
+    finally:
+        records.invalidate()  # new records: dispatch and the launchers choose again
 
 
 def explain(op: str, shape: Any, dtype: str = "float32", target: Any = "cuda",
@@ -168,27 +231,23 @@ def make_problem(op: str, shape: Any, dtype: str, **options: Any):
     )
 
 
-def _as_float32(arg: arrays.ArrayArg) -> arrays.ArrayArg:
-    if arg.dtype == "float32":
-        return arg
-    if arg.kind == "numpy":
-        obj = arg.obj.astype(np.float32)
-    elif arg.kind == "torch":
-        obj = arg.obj.float()
-    else:
-        import tvm
+def _as_float32(weight: Any) -> Any:
+    if isinstance(weight, np.ndarray):
+        return weight.astype(np.float32)
+    if arrays.is_torch(weight):
+        return weight.float()
+    import tvm
 
-        obj = tvm.runtime.tensor(arg.obj.numpy().astype(np.float32), arrays.tvm_device(arg))
-    return arrays.inspect(obj, "cross_entropy", "weight")
+    return tvm.runtime.tensor(weight.numpy().astype(np.float32), weight.device)
 
 
-def _target_value(arg: arrays.ArrayArg, row: int) -> int | None:
+def _target_value(target: Any, row: int) -> int | None:
     try:
-        if arg.kind == "numpy":
-            return int(arg.obj[row])
-        if arg.kind == "torch":
-            return int(arg.obj[row].item())
-        return int(arg.obj.numpy()[row])
+        if isinstance(target, np.ndarray):
+            return int(target[row])
+        if arrays.is_torch(target):
+            return int(target[row].item())
+        return int(target.numpy()[row])
     except Exception:  # noqa: BLE001 - the row alone still names the problem
         return None
 

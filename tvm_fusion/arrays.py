@@ -1,14 +1,19 @@
-"""The caller's arrays: numpy, torch (CPU or CUDA) or TVM tensors, passed through DLPack.
+"""The caller's arrays: numpy, torch (CPU or CUDA) or TVM tensors.
 
-Inputs are wrapped without copying when they are contiguous and 64-byte aligned
-(the compiled kernels assume both); otherwise one aligned contiguous copy is made.
-Outputs are allocated in the caller's kind on the input's device, so results come
-back as the caller gave them.
+Two speeds. :func:`inspect` describes an argument for the contracts (slow path,
+once per call signature). :func:`signature` is what the hot path hashes: the
+kind, shape, dtype, device and layout facts that decide the kernel, read in well
+under a microsecond. :class:`Kind` holds, per kind of array, the few steps a
+launch takes: a view of the kernel's shape, an output of the caller's kind, and
+whether the data pointer meets the kernels' 16-byte alignment
+(``kernel.PARAM_ALIGNMENT``). Torch tensors go to the TVM function as they are
+(tvm-ffi's DLPack exchange, which also launches on torch's current stream);
+numpy arrays too, except bfloat16, which numpy's DLPack does not know.
 """
 
 from __future__ import annotations
 
-import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,7 +21,17 @@ import numpy as np
 import tvm
 import tvm_ffi
 
-ALIGNMENT = 64
+from .kernel import PARAM_ALIGNMENT
+
+try:  # torch is optional; without it no argument is a torch tensor
+    import torch
+
+    TORCH_TENSOR: type | None = torch.Tensor
+except ImportError:  # pragma: no cover - torch ships with the test extras
+    torch = None
+    TORCH_TENSOR = None
+
+_MISALIGNED = PARAM_ALIGNMENT - 1
 
 
 @dataclass(frozen=True)
@@ -31,15 +46,15 @@ class ArrayArg:
     device_id: int = 0
 
 
-def _is_torch(x: Any) -> bool:
-    return type(x).__module__.startswith("torch") and hasattr(x, "__dlpack__")
+def is_torch(x: Any) -> bool:
+    return TORCH_TENSOR is not None and isinstance(x, TORCH_TENSOR)
 
 
 def inspect(x: Any, op: str, name: str) -> ArrayArg:
     """Describe ``x`` or raise a TypeError naming the argument."""
     if isinstance(x, np.ndarray):
         return ArrayArg(x, "numpy", tuple(x.shape), np.dtype(x.dtype).name, "cpu")
-    if _is_torch(x):
+    if is_torch(x):
         dev = x.device
         return ArrayArg(
             x, "torch", tuple(x.shape), str(x.dtype).removeprefix("torch."), dev.type,
@@ -55,76 +70,102 @@ def inspect(x: Any, op: str, name: str) -> ArrayArg:
     )
 
 
-def _aligned_numpy(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    dtype = np.dtype(dtype)
-    nbytes = max(int(np.prod(shape, dtype=np.int64)) * dtype.itemsize, 1)
-    raw = np.empty(nbytes + ALIGNMENT, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGNMENT
-    return raw[start : start + nbytes].view(dtype)[: int(np.prod(shape))].reshape(shape)
+def signature(x: Any) -> tuple:
+    """What decides the kernel for ``x``, cheaply: hashed by the hot path's lookup.
+
+    Equal signatures mean equal shape, dtype, device and contiguity, so a contract
+    check passed once holds for every later argument with that signature."""
+    kind = type(x)
+    if kind is np.ndarray:
+        return (kind, x.shape, x.dtype, x.flags.c_contiguous)
+    if kind is TORCH_TENSOR:
+        return (kind, x.shape, x.dtype, x.device, x.is_contiguous())
+    if x is None:
+        return (None,)
+    if isinstance(x, tvm_ffi.Tensor):
+        return (kind, tuple(x.shape), str(x.dtype), str(x.device))
+    return (kind, id(x))  # a subclass or a foreign object: the slow path decides
 
 
-def _numpy_to_tvm(a: np.ndarray) -> tvm_ffi.Tensor:
-    if not a.flags.c_contiguous or a.ctypes.data % ALIGNMENT:
-        copy = _aligned_numpy(a.shape, a.dtype)
-        copy[...] = a
-        a = copy
-    if a.dtype.name == "bfloat16":  # numpy's DLPack knows no bfloat16: pass the bits
-        bits = tvm_ffi.from_dlpack(a.view(np.uint16), require_contiguous=True)
-        return bits._create_view(a.shape, "bfloat16")
-    return tvm_ffi.from_dlpack(a, require_contiguous=True)
+class Kind:
+    """How a launch handles one kind of array (numpy, torch or TVM) on one device."""
+
+    def __init__(self, like: ArrayArg):
+        self.name = like.kind
+        self.cuda = like.device_type == "cuda"
+        self.device = like.obj.device if like.kind == "torch" else tvm_device(like)
+
+    def allocator(self, shape: tuple[int, ...], dtype: str) -> Callable[[], Any]:
+        """A function that allocates one output: everything about it resolved once
+        (``torch.empty`` with sizes as arguments costs 1.0 us here, with a shape
+        tuple 1.5)."""
+        if self.name == "torch":
+            dt, dev = getattr(torch, dtype), self.device
+            return lambda: torch.empty(*shape, dtype=dt, device=dev)
+        if self.name == "numpy":
+            dt = np.dtype(dtype)
+            return lambda: np.empty(shape, dt)
+        return lambda: tvm.runtime.empty(shape, dtype, self.device)
+
+    # -- inputs -----------------------------------------------------------------
+    def as_input(self, x: Any, shape: tuple[int, ...]) -> Any:
+        """``x`` as the kernel's ``shape`` parameter: a view, or one aligned
+        contiguous copy when ``x`` is not 16-byte aligned or not contiguous."""
+        if self.name == "torch":  # tvm-ffi takes it as it is, requires_grad or not
+            if x.data_ptr() & _MISALIGNED or not x.is_contiguous():
+                x = _aligned_torch_copy(x)
+            return x if x.dim() == len(shape) else x.view(shape)  # equal rank: equal shape
+        if self.name == "numpy":
+            if not x.flags.c_contiguous or x.ctypes.data & _MISALIGNED:
+                x = aligned_numpy_copy(x)
+            x = x.reshape(shape)
+            if x.dtype.name == "bfloat16":  # numpy's DLPack knows no bfloat16: pass the bits
+                return tvm_ffi.from_dlpack(x.view(np.uint16))._create_view(shape, "bfloat16")
+            return x
+        return x if tuple(x.shape) == shape else x._create_view(shape)
+
+    # -- outputs ----------------------------------------------------------------
+    def empty(self, shape: tuple[int, ...], dtype: str) -> Any:
+        """A new array of the caller's kind on the caller's device (numpy's
+        allocations are 16-byte aligned, torch's at least 64)."""
+        return self.allocator(shape, dtype)()
+
+    def scalar(self, array: Any) -> Any:
+        """A (1,) result as a 0-d array of the caller's kind (TVM: left (1,))."""
+        if self.name == "torch":
+            return array.squeeze(0)
+        if self.name == "numpy":
+            return array.reshape(())
+        return array
+
+    def read_int(self, array: Any) -> int:
+        """First element of a small integer result, on the host (a sync on a GPU)."""
+        if self.name == "numpy":
+            return int(array[0])
+        if self.name == "torch":
+            return array.item()
+        return int(array.numpy()[0])
 
 
-def _torch_to_tvm(t: Any) -> tvm_ffi.Tensor:
-    if not t.is_contiguous() or t.data_ptr() % ALIGNMENT:
-        t = t.clone(memory_format=__import__("torch").contiguous_format)
-    return tvm_ffi.from_dlpack(t, require_alignment=ALIGNMENT, require_contiguous=True)
+def aligned_numpy_copy(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous copy of ``a`` whose data starts on a 64-byte boundary."""
+    nbytes = max(a.size * a.dtype.itemsize, 1)
+    raw = np.empty(nbytes + 64, dtype=np.uint8)
+    start = (-raw.ctypes.data) % 64
+    out = raw[start : start + nbytes].view(a.dtype)[: a.size].reshape(a.shape)
+    out[...] = a
+    return out
 
 
-def to_tvm(arg: ArrayArg) -> tvm_ffi.Tensor:
-    """A TVM view of ``arg`` (a copy only to fix alignment or contiguity)."""
-    if arg.kind == "numpy":
-        return _numpy_to_tvm(arg.obj)
-    if arg.kind == "torch":
-        return _torch_to_tvm(arg.obj)
-    return arg.obj
+def _aligned_torch_copy(t: Any) -> Any:
+    return t.clone(memory_format=torch.contiguous_format)  # a fresh allocation: aligned
 
 
 def tvm_device(arg: ArrayArg) -> tvm.runtime.Device:
     return tvm.cuda(arg.device_id) if arg.device_type == "cuda" else tvm.cpu(0)
 
 
-def empty(like: ArrayArg, shape: tuple[int, ...], dtype: str) -> tuple[Any, tvm_ffi.Tensor]:
-    """A new array of the caller's kind on ``like``'s device, and its TVM view."""
-    if like.kind == "numpy":
-        out = _aligned_numpy(shape, np.dtype(dtype))
-        return out, tvm_ffi.from_dlpack(out)
-    if like.kind == "torch":
-        import torch
-
-        out = torch.empty(shape, dtype=getattr(torch, dtype), device=like.obj.device)
-        return out, tvm_ffi.from_dlpack(out)
-    out = tvm.runtime.empty(shape, dtype, tvm_device(like))
-    return out, out
-
-
-def scalar_view(kind: str, array: Any) -> Any:
-    """A (1,) result as a 0-d array of the caller's kind (no copy for numpy / torch)."""
-    if kind in ("numpy", "torch"):
-        return array.reshape(())
-    return array
-
-
-def read_int(kind: str, array: Any) -> int:
-    """First element of a small integer result, on the host."""
-    if kind == "numpy":
-        return int(array[0])
-    if kind == "torch":
-        return int(array[0].item())
-    return int(array.numpy()[0])
-
-
-def stream_context(arg: ArrayArg):
-    """Launch on torch's current stream when the caller is torch on CUDA."""
-    if arg.kind == "torch" and arg.device_type == "cuda":
-        return tvm_ffi.use_torch_stream()
-    return contextlib.nullcontext()
+def to_tvm(arg: ArrayArg) -> tvm_ffi.Tensor:
+    """A TVM tensor of ``arg``'s data (a copy only to fix alignment or contiguity)."""
+    x = Kind(arg).as_input(arg.obj, arg.shape)
+    return x if isinstance(x, tvm_ffi.Tensor) else tvm_ffi.from_dlpack(x)

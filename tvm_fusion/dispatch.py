@@ -99,22 +99,19 @@ def _annotations(sch: tvm.s_tir.Schedule, op: str) -> tuple[str, Knobs]:
 
 RECORDS_READ = 64  # per workload and log: the fastest ones, a tune's worth
 
-_CHOICES: dict[tuple, Choice] = {}
-_KERNELS: dict[tuple, Kernel] = {}
+# Cleared by records.invalidate() when a log is written in this process (tune,
+# records.merge) or on request: no file is looked at per lookup.
+_CHOICES: dict[tuple, Choice] = records.register_cache({})
+_KERNELS: dict[tuple, Kernel] = records.register_cache({})
 
 
 def _cache_key(problem: Problem, target: Target, log_dir: str | os.PathLike | None) -> tuple:
-    """The problem, the target and the state of every searched log."""
-    logs = tuple(
-        (str(path), (path / records.RECORDS).stat().st_mtime)
-        for path in (records.folder(base, target) for base in records.search_paths(log_dir))
-        if (path / records.RECORDS).exists()
-    )
-    return (problem, str(target), logs)
+    """The problem, the target and where logs are searched."""
+    return (problem, str(target), None if log_dir is None else str(log_dir), os.environ.get(records.LOG_DIR_ENV))
 
 
 def choose(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None) -> Choice:
-    """The choice for ``problem``, cached until a searched log changes."""
+    """The choice for ``problem``, cached until :func:`records.invalidate`."""
     key = _cache_key(problem, target, log_dir)
     if key not in _CHOICES:
         _CHOICES[key] = _choose(problem, target, log_dir)
@@ -140,8 +137,8 @@ def _choose(problem: Problem, target: Target, log_dir: str | os.PathLike | None)
 
 
 def kernel_for(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None) -> Kernel:
-    """The compiled kernel of the choice (looked up once per problem and log state:
-    the eager API calls this on every call)."""
+    """The compiled kernel of the choice (the API's launchers call this once per
+    call signature)."""
     key = _cache_key(problem, target, log_dir)
     if key not in _KERNELS:
         choice = choose(problem, target, log_dir)

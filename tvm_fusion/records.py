@@ -123,7 +123,27 @@ def merge(sources: list[str | os.PathLike], destination: str | os.PathLike) -> i
                 ms.database.TuningRecord(record.trace, workload, record.run_secs, record.target, record.args_info)
             )
             written += 1
+    invalidate()
     return written
+
+
+_CACHES: list[dict] = []
+
+
+def register_cache(cache: dict) -> dict:
+    """Have ``cache`` (a choice, kernel or launcher cache keyed by problem) cleared
+    whenever a log changes in this process; returns it."""
+    _CACHES.append(cache)
+    return cache
+
+
+def invalidate() -> None:
+    """Forget every cached reading of the logs: call after writing records (``tune``
+    and :func:`merge` do) or after changing logs from outside this process.
+    Dispatch reads no file per call, so without this a change goes unseen."""
+    _cached.cache_clear()
+    for cache in _CACHES:
+        cache.clear()
 
 
 def search_paths(log_dir: str | os.PathLike | None) -> list[pathlib.Path]:

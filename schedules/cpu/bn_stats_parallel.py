@@ -16,6 +16,9 @@ decomposition, for any shape on the CPU.
    inside, so each row of x is read contiguously; with fewer than 4 channels the
    partials are the vector lanes instead.
 
+Below ``SERIAL_BELOW`` values the same schedule runs on one core (``parallel=0``):
+the thread pool's launch would cost more than the work.
+
 Not used: parallel over N (C >= cores on every table shape); Welford (a divide
 per element, and shifted sums are as exact here).
 """
@@ -29,13 +32,14 @@ from tvm.target import Target
 from tvm_fusion.contracts import BNStatsProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 
-from .common import lane_choices, lane_partials, vectorize_partials
+from .common import lane_choices, lane_partials, parallel_choices, vectorize_partials
 
 
 @dataclass(frozen=True)
 class ChannelsParallelKnobs(Knobs):
     lanes: int = 16  # (N, C, L): partials along L; (M, C): channels per vector
     partials: int = 1  # (M, C): partial sums along M (accuracy, and lanes when C is small)
+    parallel: int = 1  # 0: one core (small inputs)
 
 
 @register
@@ -51,13 +55,15 @@ class BNStatsParallel(Candidate):
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
         partials = lane_choices(problem.shape[0]) if problem.channels_last else [1]
-        return {"lanes": lane_choices(self._contiguous(problem)), "partials": partials}
+        return {"lanes": lane_choices(self._contiguous(problem)), "partials": partials,
+                "parallel": parallel_choices(problem.count * problem.channels)}
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> ChannelsParallelKnobs:
         space = self.choices(problem, target)
         lanes, partials = space["lanes"], space["partials"]
         return ChannelsParallelKnobs(
-            lanes=16 if 16 in lanes else max(lanes), partials=16 if 16 in partials else max(partials)
+            lanes=16 if 16 in lanes else max(lanes), partials=16 if 16 in partials else max(partials),
+            parallel=space["parallel"][0],
         )
 
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:
@@ -73,7 +79,8 @@ class BNStatsParallel(Candidate):
         if problem.channels_last:
             # 1. Channel groups in parallel, a vector of channels each.
             group, lane = sch.split(channel, [None, knobs.lanes])
-            sch.parallel(group)
+            if knobs.parallel:
+                sch.parallel(group)
             sch.vectorize(lane)
             for block in (moments, partial, shift):
                 sch.compute_at(block, group, preserve_unit_loops=True)
@@ -84,7 +91,8 @@ class BNStatsParallel(Candidate):
             sch.vectorize(channel_lane if problem.channels >= 4 else row_partial)
             return
         # 1. Channels in parallel; 2b. each plane into vector-lane partials.
-        sch.parallel(channel)
+        if knobs.parallel:
+            sch.parallel(channel)
         for block in (moments, partial, shift):
             sch.compute_at(block, channel, preserve_unit_loops=True)
         if not by_plane:

@@ -9,6 +9,20 @@ from tvm import s_tir
 from ..common import SBlockRV
 
 
+# Work (elements read) under which a kernel runs on one core: TVM's thread pool costs
+# about 6.5 us a parallel launch on the 2-core Xeon CI machine (a 4x10 float32 cross
+# entropy: 7.5 us parallel, 1.0 us serial, 2026-12-01), and one core reads about
+# 0.9 G elements/s here (cross_entropy_parallel, 4096x32000 float32: 74.5 ms on two
+# cores, results/benchmarks.csv), so two cores win only past ~12k elements.
+SERIAL_BELOW = 16384
+
+
+def parallel_choices(elements: int) -> list[int]:
+    """The ``parallel`` knob's space: one value, fixed by the work (a schedule cannot
+    branch on a sampled knob, and the choice is a launch cost, not a search)."""
+    return [0] if elements < SERIAL_BELOW else [1]
+
+
 def lane_choices(contiguous: int, widest: int = 16) -> list[int]:
     """Vector lanes (float32 accumulators) that divide the contiguous run; 1 only
     when nothing wider does (a unit loop changes the loop structure, which a

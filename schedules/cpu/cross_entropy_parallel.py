@@ -10,6 +10,9 @@ LLVM vectorizes), for any shape on the CPU.
    across lanes.
 3. The batch sum runs serially over rows (B values, negligible next to B*V).
 
+Below ``SERIAL_BELOW`` logits the rows run on one core (``parallel=0``): the
+thread pool's launch would cost more than the work.
+
 Not used: the online decomposition (its combine costs two exp per element, which
 a CPU pays in full); ``expf`` (LLVM scalarizes a vector exp into one libm call per
 lane, and the candidate was then slower than numpy). With ``poly_exp``: 74.5 ms
@@ -26,12 +29,13 @@ from tvm.target import Target
 from tvm_fusion.contracts import CrossEntropyProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 
-from .common import lane_choices, lane_partials, vectorize_partials
+from .common import lane_choices, lane_partials, parallel_choices, vectorize_partials
 
 
 @dataclass(frozen=True)
 class RowsParallelKnobs(Knobs):
     lanes: int = 16
+    parallel: int = 1  # 0: one core (small inputs)
 
 
 @register
@@ -43,11 +47,12 @@ class CrossEntropyParallel(Candidate):
     knobs = RowsParallelKnobs
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
-        return {"lanes": lane_choices(problem.classes)}
+        return {"lanes": lane_choices(problem.classes), "parallel": parallel_choices(problem.numel)}
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> RowsParallelKnobs:
         lanes = lane_choices(problem.classes)
-        return RowsParallelKnobs(lanes=16 if 16 in lanes else max(lanes))
+        return RowsParallelKnobs(lanes=16 if 16 in lanes else max(lanes),
+                                 parallel=parallel_choices(problem.numel)[0])
 
     def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:
         names = ("row_sumexp", "row_max")
@@ -56,7 +61,8 @@ class CrossEntropyParallel(Candidate):
         # 1. Rows in parallel, anchored at the per-row epilogue.
         epilogue = sch.get_sblock("loss" if problem.reduction == "none" else "row_loss")
         (row,) = sch.get_loops(epilogue)
-        sch.parallel(row)
+        if knobs.parallel:
+            sch.parallel(row)
         # 2b. Both passes and their partials at the row, consumers first.
         for name, partial in zip(names, partials):
             sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)

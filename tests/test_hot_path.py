@@ -1,0 +1,149 @@
+"""The call a user makes: built once per call signature, then nothing done twice.
+
+What must hold for the hot path to stay thin, checked by what it does rather than
+by timing (timings come from ``tvm-fusion bench``'s api rows): no filesystem
+access per call, no copy of aligned numpy inputs, a copy (and the right answer)
+for misaligned ones, the launchers rebuilt when a log changes, and the 16-byte
+parameter alignment changing nothing else in the compiled function."""
+
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+import tvm
+import tvm_fusion as tf
+from helpers import assert_close, random_floats, rng, torch_or_none
+from tvm_fusion import api, arrays, records, registry, targets
+from tvm_fusion.contracts import bn_stats as bn_ref
+from tvm_fusion.contracts import cross_entropy as ce_ref
+from tvm_fusion.kernel import schedule_for, with_param_alignment
+
+torch = torch_or_none()
+
+
+def ce_inputs(gen, batch=64, classes=1000):
+    logits = random_floats(gen, (batch, classes), "float32")
+    target = gen.integers(0, classes, batch)
+    target[::5] = -100
+    return logits, target
+
+
+def test_a_call_after_the_first_reads_no_file(monkeypatch):
+    gen = rng()
+    logits, target = ce_inputs(gen)
+    x = random_floats(gen, (4, 8, 5, 5), "float32")
+    tf.cross_entropy(logits, target)
+    tf.bn_stats(x)
+
+    def no_stat(*args, **kwargs):
+        raise AssertionError("the hot path touched the filesystem")
+
+    for name in ("stat", "exists", "open"):
+        monkeypatch.setattr(pathlib.Path, name, no_stat)
+    monkeypatch.setattr(os, "stat", no_stat)
+    fresh_logits, fresh_target = ce_inputs(gen)
+    assert_close(tf.cross_entropy(fresh_logits, fresh_target), ce_ref.reference(fresh_logits, fresh_target),
+                 1e-5, 1e-5, "ce")
+    fresh_x = random_floats(gen, (4, 8, 5, 5), "float32")
+    mean, var = tf.bn_stats(fresh_x)
+    ref_mean, ref_var = bn_ref.reference(fresh_x, "NCHW")
+    assert_close(mean, ref_mean, 1e-5, 1e-5, "mean")
+    assert_close(var, ref_var, 1e-5, 1e-5, "var")
+
+
+def test_aligned_numpy_is_not_copied_and_misaligned_numpy_is(monkeypatch):
+    gen = rng()
+    logits, target = ce_inputs(gen, 32, 256)
+    raw = np.empty(logits.size + 32, np.float32)
+    offset = next(k for k in range(16) if (raw[k:].ctypes.data % 64) == 16)  # 16-aligned, not 64
+    view = raw[offset : offset + logits.size].reshape(logits.shape)
+    view[...] = logits
+    copies = []
+    real_copy = arrays.aligned_numpy_copy
+    monkeypatch.setattr(arrays, "aligned_numpy_copy", lambda a: copies.append(a.shape) or real_copy(a))
+    expected = ce_ref.reference(logits, target)
+    assert_close(tf.cross_entropy(view, target), expected, 1e-5, 1e-5, "16-byte aligned")
+    assert copies == []
+    misaligned = raw[offset + 1 : offset + 1 + logits.size].reshape(logits.shape)  # 4 bytes off
+    misaligned[...] = logits
+    assert_close(tf.cross_entropy(misaligned, target), expected, 1e-5, 1e-5, "4 bytes off")
+    assert copies == [logits.shape]
+
+
+def test_merging_a_log_rebuilds_the_launchers(tmp_path):
+    gen = rng()
+    logits, target = ce_inputs(gen, 8, 40)
+    tf.cross_entropy(logits, target)
+    assert api._LAUNCHERS
+    records.merge([], tmp_path)
+    assert not api._LAUNCHERS
+    assert_close(tf.cross_entropy(logits, target), ce_ref.reference(logits, target), 1e-5, 1e-5, "after merge")
+
+
+def test_options_of_another_type_are_checked_not_served_from_the_cache():
+    logits, target = ce_inputs(rng(), 4, 10)
+    tf.cross_entropy(logits, target, ignore_index=-100)
+    tf.cross_entropy(logits, np.where(target == -100, 1, target), ignore_index=1)
+    with pytest.raises(TypeError, match="ignore_index must be an int"):
+        tf.cross_entropy(logits, target, ignore_index=True)  # True == 1, but not an int
+    tf.cross_entropy(logits, target, label_smoothing=0.0)
+    with pytest.raises(TypeError, match="label_smoothing must be a float"):
+        tf.cross_entropy(logits, target, label_smoothing=False)
+    tf.cross_entropy(logits, target, check_targets=True)
+    with pytest.raises(TypeError, match="check_targets must be True or False"):
+        tf.cross_entropy(logits, target, check_targets=1)
+    with pytest.raises(ValueError, match="reduction must be one of"):
+        tf.cross_entropy(logits, target, reduction=["mean"])  # unhashable: the contract names it
+
+
+def test_a_bad_target_still_raises_on_every_call_of_a_cached_signature():
+    logits, target = ce_inputs(rng(), 6, 10)
+    tf.cross_entropy(logits, target)
+    bad = target.copy()
+    bad[3] = 10
+    for _ in range(2):
+        with pytest.raises(tf.TargetOutOfRangeError, match=r"target\[3\] = 10"):
+            tf.cross_entropy(logits, bad)
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+def test_mixed_kinds_are_named():
+    logits, target = ce_inputs(rng(), 4, 10)
+    with pytest.raises(ValueError, match="target must be of the same kind"):
+        tf.cross_entropy(torch.from_numpy(logits), target)
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+def test_torch_requires_grad_and_sliced_inputs():
+    gen = rng()
+    logits, target = ce_inputs(gen, 16, 64)
+    lt = torch.from_numpy(logits).requires_grad_()
+    tt = torch.from_numpy(target)
+    assert_close(tf.cross_entropy(lt, tt).detach().numpy(), ce_ref.reference(logits, target), 1e-5, 1e-5, "grad")
+    wide = torch.from_numpy(random_floats(gen, (16, 65), "float32"))
+    sliced = wide[:, 1:]  # not contiguous
+    offset = torch.from_numpy(random_floats(gen, (16 * 64 + 1,), "float32"))[1:].view(16, 64)  # 4 bytes off
+    for x in (sliced, offset):
+        assert_close(tf.cross_entropy(x, tt).numpy(), ce_ref.reference(x.numpy(), target), 1e-5, 1e-5, "copied")
+
+
+def cases():
+    cpu, cuda = targets.resolve("llvm"), targets.resolve({"kind": "cuda", "arch": "sm_90"})
+    problems = [tf.make_problem("bn_stats", (8, 16, 7, 7), "float16"),
+                tf.make_problem("bn_stats", (8, 7, 7, 32), "bfloat16", layout="NHWC"),
+                tf.make_problem("cross_entropy", (64, 1000), "float32", weight=True, label_smoothing=0.1),
+                tf.make_problem("cross_entropy", (64, 50257), "bfloat16", reduction="none")]
+    for problem in problems:
+        for target in (cpu, cuda):
+            for cand in registry.applicable(problem, target):
+                yield pytest.param(problem, target, cand.name, id=f"{cand.name}-{problem.key()}")
+
+
+@pytest.mark.parametrize("problem, target, candidate", list(cases()))
+def test_param_alignment_changes_nothing_but_the_alignment(problem, target, candidate):
+    mod = schedule_for(problem, target, candidate)[0].mod
+    tvm.ir.assert_structural_equal(with_param_alignment(mod, 64), mod)  # 64 is TVM's default
+    aligned = with_param_alignment(mod)
+    assert [p.data_alignment for p in aligned["main"].params] == [16] * len(mod["main"].params)
