@@ -32,6 +32,8 @@ from tvm.target import Target
 from tvm_fusion.contracts import BNStatsProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 
+from ..common import knob_value
+
 from .common import lane_choices, lane_partials, parallel_choices, vectorize_partials
 
 
@@ -79,7 +81,7 @@ class BNStatsParallel(Candidate):
         if problem.channels_last:
             # 1. Channel groups in parallel, a vector of channels each.
             group, lane = sch.split(channel, [None, knobs.lanes])
-            if knobs.parallel:
+            if knob_value(sch, knobs.parallel):  # one choice per shape: safe to branch on
                 sch.parallel(group)
             sch.vectorize(lane)
             for block in (moments, partial, shift):
@@ -91,7 +93,7 @@ class BNStatsParallel(Candidate):
             sch.vectorize(channel_lane if problem.channels >= 4 else row_partial)
             return
         # 1. Channels in parallel; 2b. each plane into vector-lane partials.
-        if knobs.parallel:
+        if knob_value(sch, knobs.parallel):  # one choice per shape: safe to branch on
             sch.parallel(channel)
         for block in (moments, partial, shift):
             sch.compute_at(block, channel, preserve_unit_loops=True)

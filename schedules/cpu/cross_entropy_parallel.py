@@ -29,6 +29,8 @@ from tvm.target import Target
 from tvm_fusion.contracts import CrossEntropyProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 
+from ..common import knob_value
+
 from .common import lane_choices, lane_partials, parallel_choices, vectorize_partials
 
 
@@ -61,7 +63,7 @@ class CrossEntropyParallel(Candidate):
         # 1. Rows in parallel, anchored at the per-row epilogue.
         epilogue = sch.get_sblock("loss" if problem.reduction == "none" else "row_loss")
         (row,) = sch.get_loops(epilogue)
-        if knobs.parallel:
+        if knob_value(sch, knobs.parallel):  # one choice per shape: safe to branch on
             sch.parallel(row)
         # 2b. Both passes and their partials at the row, consumers first.
         for name, partial in zip(names, partials):
