@@ -17,7 +17,7 @@ from tvm_fusion.kernel import build_kernel
 
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
 
-# Shapes from DESIGN.md's table plus awkward ones: C=3, odd planes, odd vocabularies.
+# Shapes of the README's results table plus awkward ones: C=3, odd planes, odd vocabularies.
 BN_CASES = [((64, 256, 56, 56), "NCHW"), ((8, 3, 224, 224), "NCHW"), ((256, 2048, 7, 7), "NCHW"),
             ((32, 56, 56, 64), "NHWC"), ((5, 3, 7), "NCHW")]
 CE_CASES = [((4096, 32000), {}), ((128, 32000), {"reduction": "none"}), ((64, 50257), {"weight": True, "label_smoothing": 0.1}),

@@ -4,9 +4,13 @@ One process, one run: a device-to-device copy gives the bandwidth ceiling, then 
 each shape every provider is checked against a float64 reference (a wrong result is
 reported, never timed) and timed with CUDA graph replay (CUDA events around a graph
 of launches, median of repeats; inputs rotated so the working set is several times
-the L2), or with ``time.perf_counter`` on the CPU. It prints a table (ms, GB/s,
-fraction of copy bandwidth, speed-up over the best peer), appends rows to the
-results CSV and draws one bar chart per operator.
+the L2), or with ``time.perf_counter`` on the CPU. Beside the kernels, the ``api``
+rows (``tvm_fusion api``, ``torch eager api``, ...) time what a user gets: the public
+call itself, back to back without a graph, argument checks, dispatch and host syncs
+included. It prints a table (ms, GB/s, fraction of copy bandwidth, speed-up over the
+best peer of the same kind), appends rows to the results CSV and draws one bar
+chart of the kernels per operator. How things are timed lives in
+:mod:`tvm_fusion.timing`.
 """
 
 from __future__ import annotations
@@ -17,9 +21,7 @@ import datetime
 import math
 import os
 import platform
-import statistics
 import subprocess
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -33,6 +35,10 @@ from .contracts import bn_stats as bn_contract
 from .contracts import cross_entropy as ce_contract
 from .dispatch import choose
 from .kernel import Kernel, build_kernel
+from .timing import (
+    copies_for, copy_bandwidth_cpu, copy_bandwidth_gpu, empty_launch_gpu, time_calls_cpu, time_calls_gpu,
+    time_cpu, time_gpu,
+)
 
 CSV_FIELDS = [
     "hardware", "date", "version", "op", "shape", "dtype", "options", "provider",
@@ -40,10 +46,8 @@ CSV_FIELDS = [
 ]
 RESULTS_DIR = "results"
 CSV_NAME = "benchmarks.csv"
-L2_BYTES = 60 * 2**20  # H200: rotate inputs so a timed set never fits in L2
-ROTATION_BYTES = 4 * L2_BYTES
-MAX_COPIES = 32
-PEERS = ("torch eager", "torch.compile", "TVM DLight", "Liger")
+PEERS = ("torch eager", "torch.compile", "TVM DLight", "Liger", "Quack")
+API = " api"  # suffix of the providers timed as the user's call, e.g. "torch eager api"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,13 +61,19 @@ class Case:
     def problem(self):
         return make_problem(self.op, self.shape, self.dtype, **dict(self.options))
 
+    @property
+    def layout(self) -> str:
+        """bn_stats' layout argument (an option; NCHW unless the case says NHWC)."""
+        return dict(self.options).get("layout", "NCHW")
+
     def label(self) -> str:
         dims = "x".join(map(str, self.shape))
         opts = ",".join(f"{k}={v}" for k, v in self.options)
         return f"{self.op} {dims} {self.dtype}" + (f" {opts}" if opts else "")
 
 
-# DESIGN.md's table (the anchor figures were measured on these).
+# The nine shapes of the README's results table: the anchor figures were measured on
+# these, and tuning_logs/cuda_sm_90 holds a record for each.
 GPU_CASES = [
     Case("bn_stats", (64, 256, 56, 56), "float16"),
     Case("bn_stats", (32, 64, 112, 112), "float16"),
@@ -75,7 +85,13 @@ GPU_CASES = [
     Case("cross_entropy", (16384, 50257), "bfloat16"),
     Case("cross_entropy", (128, 32000), "float16"),
 ]
-# The CPU comparison of issue 2: numpy doing the same work on the same inputs.
+# Benched beside the table, without a shipped tuning record (dispatch's heuristic pick):
+# channels-last BN at a ResNet-50 stage-1 size in bfloat16.
+GPU_EXTRA_CASES = [
+    Case("bn_stats", (128, 56, 56, 256), "bfloat16", (("layout", "NHWC"),)),
+]
+# The CPU comparison: numpy (and torch, for the api rows) doing the same work on the
+# same inputs.
 CPU_CASES = [
     Case("bn_stats", (64, 256, 56, 56), "float32"),
     Case("cross_entropy", (4096, 32000), "float32"),
@@ -227,127 +243,6 @@ def close(actual: np.ndarray, expected: np.ndarray, rtol: float, scale: float | 
     return worst <= rtol, worst
 
 
-# -- timing --------------------------------------------------------------------------
-def time_gpu(launches: list[Callable[[], None]], repeats: int = 15, per_graph: int = 0,
-             graphable: bool = True) -> tuple[float, str]:
-    """Median ms of one launch: CUDA graph replay of many launches timed with events;
-    falls back to timing a loop of launches when capture is not possible.
-
-    A graph holds enough launches (cycling over the rotated inputs) for a replay to
-    last about 3 ms, so the replay's own overhead stays under a few percent."""
-    import torch
-    import tvm_ffi
-
-    with tvm_ffi.use_torch_stream():
-        launches[0]()  # warm-up: module load, autotuners, torch.compile
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launches[0]()
-        stop.record()
-        stop.synchronize()
-        rough = max(start.elapsed_time(stop), 1e-3)
-        if rough > 2.0:  # slow (a peer's fallback schedule): a few launches are enough
-            launches, repeats = launches[:3], 3
-        for launch in launches:
-            launch()
-        torch.cuda.synchronize()
-    if not per_graph:
-        per_graph = int(min(max(3.0 / rough, len(launches)), 500))
-        per_graph = max(len(launches), per_graph - per_graph % len(launches))
-    if rough * per_graph > 50:
-        repeats = min(repeats, 5)
-    try:
-        if not graphable:
-            raise RuntimeError("not capturable")
-        graph = torch.cuda.CUDAGraph()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            with tvm_ffi.use_torch_stream(torch.cuda.graph(graph, stream=stream)):
-                for i in range(per_graph):
-                    launches[i % len(launches)]()
-        torch.cuda.current_stream().wait_stream(stream)
-        torch.cuda.synchronize()
-        run, count, method = graph.replay, per_graph, "graph"
-    except Exception:  # noqa: BLE001 - e.g. a peer that allocates while capturing
-        torch.cuda.synchronize()
-        count, method = per_graph, "loop"
-
-        def run():
-            with tvm_ffi.use_torch_stream():
-                for i in range(count):
-                    launches[i % len(launches)]()
-
-    run()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        run()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) / count)
-    return statistics.median(times), method
-
-
-def time_cpu(run: Callable[[], None], repeats: int = 5) -> tuple[float, str]:
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times), "perf_counter"
-
-
-def copy_bandwidth_gpu(nbytes: int = 4 * 2**30) -> float:
-    """Device-to-device copy by the SMs, bytes read plus written per second (GB/s).
-
-    A copy kernel (``torch.mul(src, 1, out=dst)``), timed in a loop: ``copy_`` inside
-    a CUDA graph becomes a memcpy node served by the copy engines, which reached only
-    2710 GB/s on the H200 (2026-11-29 run) against about 4.2 TB/s by the SMs. The GPU
-    idles at low clocks; half a second of copies first lets them ramp."""
-    import torch
-
-    src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
-    dst = torch.empty_like(src)
-    deadline = time.perf_counter() + 0.5
-    while time.perf_counter() < deadline:
-        torch.mul(src, 1.0, out=dst)
-        torch.cuda.synchronize()
-    ms, _ = time_gpu([lambda: torch.mul(src, 1.0, out=dst)], repeats=10, per_graph=10, graphable=False)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def copy_bandwidth_cpu(nbytes: int = 512 * 2**20) -> float:
-    src = np.random.default_rng().random(nbytes // 8)
-    dst = np.empty_like(src)
-    ms, _ = time_cpu(lambda: np.copyto(dst, src), repeats=5)
-    return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-def empty_launch_gpu() -> float:
-    """One empty kernel launch, timed like the others (the floor for small inputs)."""
-    import tvm
-    from tvm import te
-
-    a = te.placeholder((1,), "float32", name="a")
-    b = te.compute((1,), lambda i: a[i], name="b")
-    from tvm import s_tir
-
-    sch = s_tir.Schedule(te.create_prim_func([a, b]))
-    (loop,) = sch.get_loops(sch.get_sblock("b"))
-    sch.bind(loop, "threadIdx.x")
-    ex = tvm.compile(sch.mod, target=targets.resolve("cuda"))
-    dev = tvm.cuda(0)
-    x, y = tvm.runtime.empty((1,), "float32", dev), tvm.runtime.empty((1,), "float32", dev)
-    func = ex["main"]
-    ms, _ = time_gpu([lambda: func(x, y)], repeats=20, per_graph=100)
-    return ms
-
-
 # -- providers -----------------------------------------------------------------------
 @dataclasses.dataclass
 class Provider:
@@ -359,6 +254,8 @@ class Provider:
     results: Callable[[], list[np.ndarray]]
     rtol: float
     graphable: bool = True  # False: never capture (it syncs, e.g. Liger's .item())
+    api: bool = False  # True: the user's call, timed back to back without a graph
+    skip_note: str = ""  # a known limitation: a failure is reported as skipped, with this
 
 
 def _tvm_provider(name: str, kernel: Kernel, case: Case, sets: list[dict[str, Any]], on_gpu: bool) -> Provider:
@@ -445,7 +342,7 @@ def _torch_providers(case: Case, torch_sets: list[dict[str, Any]]) -> list[Provi
         if first:
             holder["eager"] = loss
 
-    rtol = 2e-3 if case.dtype == "float16" else (1.6e-2 if case.dtype == "bfloat16" else 1e-4)
+    rtol = _peer_rtol(case.dtype)
     providers.append(Provider(
         "torch eager", [lambda s=s, i=i: ce_eager(s, i == 0) for i, s in enumerate(torch_sets)],
         lambda: [holder["eager"].double().cpu().numpy().reshape(-1)], rtol,
@@ -465,8 +362,8 @@ def _torch_providers(case: Case, torch_sets: list[dict[str, Any]]) -> list[Provi
     try:
         from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
     except ImportError:
-        return providers
-    if o.get("reduction", "mean") == "mean" and "weight" not in torch_sets[0]:
+        LigerCrossEntropyFunction = None
+    if LigerCrossEntropyFunction is not None and o.get("reduction", "mean") == "mean" and "weight" not in torch_sets[0]:
         # Liger writes the gradient over the logits in place: give it its own copies.
         liger_sets = [s["logits"].clone() for s in torch_sets]
         fresh = torch_sets[0]["logits"].clone()
@@ -487,21 +384,191 @@ def _torch_providers(case: Case, torch_sets: list[dict[str, Any]]) -> list[Provi
             "Liger", [lambda x=x, s=s, i=i: liger(x, s["target"], i == 0) for i, (x, s) in enumerate(zip(liger_sets, torch_sets))],
             liger_results, rtol, graphable=False,
         ))
+    quack = _quack_forward(case, torch_sets[0])
+    if quack is not None:
+        forward, note = quack
+
+        def quack_run(s, first):
+            loss = _reduced(forward(s["logits"], s["target"], ignore_index=kwargs["ignore_index"]),
+                            s["target"], kwargs["reduction"], kwargs["ignore_index"])
+            if first:
+                holder["quack"] = loss
+
+        providers.append(Provider(
+            "Quack", [lambda s=s, i=i: quack_run(s, i == 0) for i, s in enumerate(torch_sets)],
+            lambda: [holder["quack"].double().cpu().numpy().reshape(-1)], rtol, skip_note=note,
+        ))
+    return providers
+
+
+def _quack_forward(case: Case, first: dict[str, Any]) -> tuple[Callable, str] | None:
+    """Quack's forward kernel (per-row losses) when ``import quack`` works and the case
+    is one it computes (no weight, no label smoothing), with the note a failure gets:
+    its kernels fail on an odd V."""
+    if case.op != "cross_entropy" or "weight" in first or dict(case.options).get("label_smoothing", 0.0):
+        return None
+    try:
+        from quack.cross_entropy import cross_entropy_fwd
+    except Exception:  # noqa: BLE001 - not installed, or no CUDA DSL runtime here
+        return None
+    classes = case.problem.classes
+    return cross_entropy_fwd, (f"Quack fails on an odd V ({classes})" if classes % 2 else "")
+
+
+def _reduced(loss: Any, target: Any, reduction: str, ignore_index: int) -> Any:
+    """Per-row losses to the reduction, as ``quack.cross_entropy.cross_entropy`` does it."""
+    if reduction == "mean":
+        return loss.sum() / (target != ignore_index).sum().float()
+    return loss.sum() if reduction == "sum" else loss
+
+
+def _peer_rtol(dtype: str) -> float:
+    return 2e-3 if dtype == "float16" else (1.6e-2 if dtype == "bfloat16" else 1e-4)
+
+
+def _numpy_of(values: Any) -> list[np.ndarray]:
+    """Results of any kind (torch on any device, numpy) as float64 numpy, losses flat."""
+    out = []
+    for v in values:
+        v = v.double().cpu().numpy() if hasattr(v, "cpu") else np.asarray(v, np.float64)
+        out.append(v.reshape(-1) if v.ndim == 0 else v)
+    return out
+
+
+def _ce_kwargs(case: Case) -> dict[str, Any]:
+    o = dict(case.options)
+    return dict(ignore_index=o.get("ignore_index", -100), reduction=o.get("reduction", "mean"),
+                label_smoothing=o.get("label_smoothing", 0.0))
+
+
+def _tvm_fusion_api(case: Case, sets: list[dict[str, Any]], suffix: str = "") -> list[Provider]:
+    """``tf.bn_stats`` / ``tf.cross_entropy`` as a user calls them on ``sets`` (numpy
+    arrays or torch tensors): whatever the call does besides the kernel (argument
+    checks, dispatch, output allocation, the target check) counts. Cross entropy
+    both with the default ``check_targets=True`` and with ``check_targets=False``."""
+    from .api import bn_stats, cross_entropy
+
+    holder: dict[str, Any] = {}
+
+    def keep(key: str, out: Any, first: bool) -> None:
+        if first:
+            holder[key] = out
+
+    name = "tvm_fusion" + API + (f" ({suffix})" if suffix else "")
+    if case.op == "bn_stats":
+        return [Provider(
+            name, [lambda s=s, i=i: keep("bn", bn_stats(s["x"], layout=case.layout), i == 0) for i, s in enumerate(sets)],
+            lambda: _numpy_of(holder["bn"]), rtol=1e-4, api=True,
+        )]
+    kwargs = _ce_kwargs(case)
+    providers = []
+    for check in (True, False):
+        key = f"ce {check}"
+        label = name if check else f"tvm_fusion{API} ({suffix + ', ' if suffix else ''}check_targets=False)"
+        providers.append(Provider(
+            label, [lambda s=s, i=i, key=key, check=check: keep(key, cross_entropy(
+                s["logits"], s["target"], s.get("weight"), check_targets=check, **kwargs), i == 0)
+                for i, s in enumerate(sets)],
+            lambda key=key: _numpy_of([holder[key]]), rtol=1e-4, api=True,
+        ))
+    return providers
+
+
+def _api_providers_gpu(case: Case, torch_sets: list[dict[str, Any]], peers: list[Provider]) -> list[Provider]:
+    """The user's calls on torch CUDA tensors: ours, and each peer that has one. A peer's
+    graph launches are already its user call (``F.cross_entropy``, the compiled function,
+    Liger's autograd function); Quack's user call is its autograd ``cross_entropy``."""
+    providers = _tvm_fusion_api(case, torch_sets)
+    for peer in peers:
+        if peer.name == "Quack":
+            continue
+        providers.append(dataclasses.replace(peer, name=peer.name + API, api=True))
+    quack = _quack_forward(case, torch_sets[0])
+    if quack is not None:
+        try:
+            from quack.cross_entropy import cross_entropy as quack_ce
+        except Exception:  # noqa: BLE001
+            return providers
+        import inspect
+
+        kwargs = _ce_kwargs(case)
+        own_reduction = "reduction" in inspect.signature(quack_ce).parameters  # older releases: per-row only
+        holder: dict[str, Any] = {}
+
+        def quack_call(s, first):
+            if own_reduction:
+                loss = quack_ce(s["logits"], s["target"], ignore_index=kwargs["ignore_index"], reduction=kwargs["reduction"])
+            else:
+                loss = _reduced(quack_ce(s["logits"], s["target"], ignore_index=kwargs["ignore_index"]),
+                                s["target"], kwargs["reduction"], kwargs["ignore_index"])
+            if first:
+                holder["quack"] = loss
+
+        providers.append(Provider(
+            "Quack" + API, [lambda s=s, i=i: quack_call(s, i == 0) for i, s in enumerate(torch_sets)],
+            lambda: _numpy_of([holder["quack"]]), _peer_rtol(case.dtype), api=True, skip_note=quack[1],
+        ))
+    return providers
+
+
+def _api_providers_cpu(case: Case, host: dict[str, np.ndarray], numpy_provider: Provider) -> list[Provider]:
+    """The user's calls on the CPU: ours on numpy arrays and on torch CPU tensors, numpy's
+    own code, and torch eager on the same tensors."""
+    providers = _tvm_fusion_api(case, [host])
+    providers.append(dataclasses.replace(numpy_provider, name="numpy" + API, api=True))
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return providers
+
+    def as_torch(a: np.ndarray):
+        if a.dtype.name == "bfloat16":  # numpy's bfloat16 is ml_dtypes': pass the bits
+            return torch.from_numpy(a.view(np.uint16)).view(torch.bfloat16).clone()
+        return torch.from_numpy(a).clone()  # torch's allocator aligns to 64 bytes
+
+    tensors = {k: as_torch(v) for k, v in host.items()}
+    providers += _tvm_fusion_api(case, [tensors], "torch")
+    problem = case.problem
+    holder: dict[str, Any] = {}
+    if isinstance(problem, BNStatsProblem):
+        view = tensors["x"].reshape(problem.shape)
+        dims = (0,) if problem.channels_last else (0, 2)
+
+        def eager():
+            var, mean = torch.var_mean(view if view.dtype == torch.float32 else view.float(), dim=dims, correction=0)
+            holder["eager"] = (mean, var)
+    else:
+        kwargs = _ce_kwargs(case)
+        target = tensors["target"].long()
+
+        def eager():
+            holder["eager"] = F.cross_entropy(tensors["logits"], target, tensors.get("weight"), **kwargs)
+
+    providers.append(Provider("torch eager" + API, [eager], lambda: _numpy_of(
+        holder["eager"] if isinstance(holder["eager"], tuple) else [holder["eager"]]), _peer_rtol(case.dtype), api=True))
     return providers
 
 
 # -- the run -------------------------------------------------------------------------
-def copies_for(nbytes: int) -> int:
-    """Argument sets to cycle through on the GPU so that ``nbytes`` a launch are read
-    from HBM, not from a warm L2."""
-    return max(1, min(MAX_COPIES, math.ceil(ROTATION_BYTES / max(nbytes, 1))))
-
-
 def rotated_sets(case: Case, on_gpu: bool) -> int:
     return copies_for(case.problem.bytes_moved) if on_gpu else 1
 
 
-def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: set[str] | None, log) -> list[Result]:
+def wanted(providers: set[str] | None, name: str, api: bool = False) -> bool:
+    """Whether ``--providers`` asks for ``name``: by its full name, the part before ':'
+    (``tvm_fusion`` for every candidate) or before ' api' (a provider's api rows come
+    with it); ``api`` alone asks for every api row."""
+    if providers is None:
+        return True
+    base = name.split(API)[0].split(":")[0]
+    return name in providers or base in providers or (api and ("api" in providers or base + API in providers))
+
+
+def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: set[str] | None, log,
+               api: bool = True) -> list[Result]:
+    """Check and time every provider on one case: the kernels (graph replay on the GPU)
+    and, with ``api``, the user's calls back to back (``<provider> api`` rows)."""
     problem = case.problem
     target = targets.resolve("cuda" if on_gpu else "llvm")
     copies = rotated_sets(case, on_gpu)
@@ -519,7 +586,7 @@ def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: se
         tvm_sets = [host]
 
     def want(name: str) -> bool:
-        return providers is None or name in providers or name.split(":")[0] in providers
+        return wanted(providers, name)
 
     # Ours: every applicable candidate with its default knobs, and the dispatch pick.
     ours: list[tuple[str, Kernel]] = []
@@ -532,18 +599,27 @@ def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: se
     for name, kernel in ours:
         if want(name) or want("tvm_fusion"):
             plan.append(_tvm_provider(name, kernel, case, tvm_sets, on_gpu))
+    calls: list[Provider] = []
     if on_gpu:
         if want("TVM DLight"):
             try:
                 plan.append(_tvm_provider("TVM DLight", _dlight_kernel(case, target), case, tvm_sets, on_gpu))
             except Exception as err:  # noqa: BLE001
                 results.append(Result(case, "TVM DLight", None, bytes_moved, "-", f"failed: {type(err).__name__}: {str(err)[:120]}"))
+        peers: list[Provider] = []
         try:
-            plan.extend(p for p in _torch_providers(case, torch_sets) if want(p.name))
+            peers = _torch_providers(case, torch_sets)
         except Exception as err:  # noqa: BLE001
             results.append(Result(case, "torch", None, bytes_moved, "-", f"failed: {str(err)[:120]}"))
+        plan.extend(p for p in peers if want(p.name))
+        if api:
+            calls = _api_providers_gpu(case, torch_sets, peers)
     else:
-        plan.append(_numpy_provider(case, tvm_sets[0]))
+        numpy_provider = _numpy_provider(case, tvm_sets[0])
+        plan.append(numpy_provider)
+        if api:
+            calls = _api_providers_cpu(case, tvm_sets[0], numpy_provider)
+    plan.extend(p for p in calls if wanted(providers, p.name, api=True))
 
     for provider in plan:
         try:
@@ -562,8 +638,12 @@ def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: se
                 results.append(Result(case, provider.name, None, bytes_moved, "-", f"wrong: worst rel err {worst:.3g}"))
                 log(f"  {provider.name:<48} WRONG (worst rel err {worst:.3g})")
                 continue
-            ms, method = (time_gpu(provider.launches, graphable=provider.graphable) if on_gpu
-                          else time_cpu(provider.launches[0]))
+            if provider.api:
+                ms, method = time_calls_gpu(provider.launches) if on_gpu else time_calls_cpu(provider.launches)
+            elif on_gpu:
+                ms, method = time_gpu(provider.launches, graphable=provider.graphable)
+            else:
+                ms, method = time_cpu(provider.launches[0])
             results.append(Result(case, provider.name, ms, bytes_moved, method, "ok"))
             log(f"  {provider.name:<48} {ms:9.4f} ms  {bytes_moved / ms / 1e6:8.1f} GB/s  ({method})")
         except Exception as err:  # noqa: BLE001 - report and go on with the others
@@ -571,8 +651,13 @@ def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: se
                 import torch
 
                 torch.cuda.synchronize()
-            results.append(Result(case, provider.name, None, bytes_moved, "-", f"failed: {type(err).__name__}: {str(err)[:160]}"))
-            log(f"  {provider.name:<48} FAILED {type(err).__name__}: {str(err)[:160]}")
+            why = f"{type(err).__name__}: {str(err)[:160]}"
+            if provider.skip_note:
+                results.append(Result(case, provider.name, None, bytes_moved, "-", f"skipped: {provider.skip_note}; {why}"))
+                log(f"  {provider.name:<48} SKIPPED ({provider.skip_note}) {why}")
+                continue
+            results.append(Result(case, provider.name, None, bytes_moved, "-", f"failed: {why}"))
+            log(f"  {provider.name:<48} FAILED {why}")
     return results
 
 
@@ -600,19 +685,30 @@ def _numpy_provider(case: Case, host: dict[str, np.ndarray]) -> Provider:
     return Provider("numpy", [run], lambda: holder["out"], rtol=1e-4)
 
 
+def is_api(provider: str) -> bool:
+    """An api row: ``<provider> api`` or ``<provider> api (<variant>)``."""
+    return provider.endswith(API) or API + " (" in provider
+
+
 def summarize(results: list[Result], copy_gb_s: float, log) -> None:
     by_case: dict[Case, list[Result]] = {}
     for r in results:
         by_case.setdefault(r.case, []).append(r)
     header = f"{'case':<40} {'provider':<48} {'ms':>9} {'GB/s':>8} {'copy%':>6} {'vs best peer':>12}"
     log("\n" + header + "\n" + "-" * len(header))
+    peer_names = PEERS + ("numpy",)
     for case, rows in by_case.items():
-        peers = [r.median_ms for r in rows if r.provider in PEERS + ("numpy",) and r.median_ms]
-        best_peer = min(peers) if peers else None
+        # Kernel rows against the best peer kernel, api rows against the best peer call.
+        best = {}
+        for mode in (False, True):
+            peers = [r.median_ms for r in rows if r.median_ms and is_api(r.provider) == mode
+                     and r.provider.removesuffix(API) in peer_names]
+            best[mode] = min(peers) if peers else None
         for r in rows:
             if r.median_ms is None:
                 log(f"{case.label():<40} {r.provider:<48} {r.status}")
                 continue
+            best_peer = best[is_api(r.provider)]
             speedup = f"{best_peer / r.median_ms:11.2f}x" if best_peer else ""
             log(f"{case.label():<40} {r.provider:<48} {r.median_ms:9.4f} {r.gb_s:8.1f} "
                 f"{100 * r.gb_s / copy_gb_s:5.1f}% {speedup}")
@@ -653,7 +749,7 @@ def plot(results: list[Result], folder: str, copy_gb_s: float, hardware: str) ->
 
     paths = []
     for op in sorted({r.case.op for r in results}):
-        rows = [r for r in results if r.case.op == op and r.gb_s]
+        rows = [r for r in results if r.case.op == op and r.gb_s and not is_api(r.provider)]  # kernels only
         if not rows:
             continue
         cases = list(dict.fromkeys(r.case for r in rows))
@@ -678,12 +774,17 @@ def plot(results: list[Result], folder: str, copy_gb_s: float, hardware: str) ->
     return paths
 
 
+def default_cases(on_gpu: bool) -> list[Case]:
+    """What ``tvm-fusion bench`` runs without ``--shapes``."""
+    return GPU_CASES + GPU_EXTRA_CASES if on_gpu else CPU_CASES
+
+
 def run(cases: list[Case] | None = None, device: str | None = None, csv_path: str | None = None,
-        plots: str | None = None, providers: set[str] | None = None, log=print) -> list[Result]:
+        plots: str | None = None, providers: set[str] | None = None, log=print, api: bool = True) -> list[Result]:
     on_gpu = gpu_available() if device is None else device == "cuda"
     if on_gpu and not gpu_available():
         raise RuntimeError("bench: --device cuda asked for, but torch sees no CUDA GPU")
-    cases = cases or (GPU_CASES if on_gpu else CPU_CASES)
+    cases = cases or default_cases(on_gpu)
     hardware = hardware_name(on_gpu)
     gen = np.random.default_rng()
     copy_gb_s = copy_bandwidth_gpu() if on_gpu else copy_bandwidth_cpu()
@@ -697,7 +798,7 @@ def run(cases: list[Case] | None = None, device: str | None = None, csv_path: st
         append_csv(results, csv_path, hardware, copy_gb_s, with_copy_row=True)
     for case in cases:
         log(f"{case.label()}: {case.problem.bytes_moved / 1e6:.1f} MB moved at least")
-        rows = bench_case(case, on_gpu, gen, providers, log)
+        rows = bench_case(case, on_gpu, gen, providers, log, api)
         results.extend(rows)
         if csv_path:
             append_csv(rows, csv_path, hardware, copy_gb_s)

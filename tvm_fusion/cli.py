@@ -95,16 +95,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from . import bench
 
     on_gpu = bench.gpu_available() if args.device is None else args.device == "cuda"
-    cases = [bench.Case(op, shape, dtype, tuple(sorted(o.items()))) for op, shape, dtype, o in _cases(args, on_gpu)]
+    cases = [bench.Case(op, shape, dtype, tuple(sorted(o.items()))) for op, shape, dtype, o in _cases(args, on_gpu, True)]
     csv_path = None if args.no_record else os.path.join(args.results, bench.CSV_NAME)
     providers = set(args.providers.split(",")) if args.providers else None
     bench.run(cases, device=args.device, csv_path=csv_path, plots=None if args.no_record else args.results,
-              providers=providers)
+              providers=providers, api=not args.no_api)
     return 0
 
 
-def _cases(args: argparse.Namespace, on_gpu: bool) -> list:
-    """(op, shape, dtype, options) for --ops/--shapes/--dtype, or the bench defaults."""
+def _cases(args: argparse.Namespace, on_gpu: bool, benched: bool = False) -> list:
+    """(op, shape, dtype, options) for --ops/--shapes/--dtype, or the default shapes: the
+    table's (which the shipped logs tune), plus the bench's extra cases when ``benched``."""
     from . import bench
 
     ops = parse_ops(args.ops)
@@ -114,7 +115,7 @@ def _cases(args: argparse.Namespace, on_gpu: bool) -> list:
         dtype = parse_dtype(args.dtype or "float16")
         cases = [(ops[0], parse_shape(s), dtype, _options(args)) for s in args.shapes]
     else:
-        defaults = bench.GPU_CASES if on_gpu else bench.CPU_CASES
+        defaults = bench.default_cases(on_gpu) if benched else (bench.GPU_CASES if on_gpu else bench.CPU_CASES)
         cases = [(c.op, c.shape, parse_dtype(args.dtype) if args.dtype else c.dtype, dict(c.options))
                  for c in defaults if c.op in ops]
     for op, shape, dtype, options in cases:
@@ -259,7 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="time every candidate, the default pick and the peers")
     add_cases(bench, target=False)
     bench.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when torch sees a GPU")
-    bench.add_argument("--providers", help="comma-separated subset, e.g. 'tvm_fusion,torch eager'")
+    bench.add_argument("--providers", help="comma-separated subset, e.g. 'tvm_fusion,torch eager' (with their "
+                       "api rows), 'api' (every api row) or 'tvm_fusion api'")
+    bench.add_argument("--no-api", dest="no_api", action="store_true",
+                       help="time the kernels only, not the user's calls (the '<provider> api' rows)")
     bench.add_argument("--results", default="results", help="folder of the CSV and the PNGs")
     bench.add_argument("--no-record", action="store_true", help="print only: no CSV rows, no PNGs")
     bench.set_defaults(func=cmd_bench)

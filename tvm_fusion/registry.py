@@ -178,10 +178,13 @@ def applicable(problem: Problem, target: Target) -> list[Candidate]:
 
 
 def default_candidate(problem: Problem, target: Target) -> Candidate:
-    """The first candidate in dispatch order that applies and prefers this problem."""
+    """The first candidate in dispatch order that applies and prefers this problem.
+
+    ``prefers(problem, target)`` gets the target so that a threshold on the hardware
+    (an SM count) is read from it, not assumed; a candidate without one prefers all."""
     found = applicable(problem, target)
     for cand in found:
-        if getattr(cand, "prefers", lambda p: True)(problem):
+        if getattr(cand, "prefers", lambda p, t: True)(problem, target):
             return cand
     if found:
         return found[-1]

@@ -18,16 +18,22 @@ def _host_cpu() -> Target:
 
 
 @functools.cache
-def _cuda_arch() -> str:
-    """The arch of GPU 0 when one is there, else the H200's (code generation only)."""
+def _gpu0() -> tuple[str, int, int] | None:
+    """GPU 0's (arch, SMs, L2 bytes), asked once per process; None without one."""
     try:
         dev = tvm.cuda(0)
         if dev.exist:
             major, minor = dev.compute_version.split(".")
-            return f"sm_{major}{minor}"
+            return f"sm_{major}{minor}", int(dev.multi_processor_count or 0), int(dev.l2_cache_size_bytes or 0)
     except Exception:  # noqa: BLE001 - no CUDA runtime here: generate for the default
         pass
-    return DEFAULT_CUDA_ARCH
+    return None
+
+
+def _cuda_arch() -> str:
+    """The arch of GPU 0 when one is there, else the H200's (code generation only)."""
+    gpu = _gpu0()
+    return gpu[0] if gpu else DEFAULT_CUDA_ARCH
 
 
 def resolve(target: Any) -> Target:
@@ -83,3 +89,42 @@ def key(target: Target) -> str:
 
 def for_device(device_type: str) -> Target:
     return resolve("cuda" if device_type == "cuda" else "llvm")
+
+
+# Hardware facts by CUDA arch: (SMs, L2 bytes). The sm_90 row is the H200's (132 SMs,
+# 60 MiB L2), the GPU the anchor figures come from; it stands in for any arch without
+# a row when no GPU is present (code generation on a CPU machine).
+CUDA_ARCH_FACTS = {"sm_90": (132, 60 * 2**20)}
+
+
+def sm_count(target: Any) -> int:
+    """Streaming multiprocessors of the GPU a CUDA ``target`` describes: GPU 0's when it
+    is of the target's arch, else the arch's row of ``CUDA_ARCH_FACTS`` (TVM's CUDA
+    target has no SM-count option)."""
+    return _arch_facts(_arch_of(target))[0]
+
+
+def l2_bytes(target: Any) -> int:
+    """L2 cache bytes of a CUDA ``target``: its ``l2_cache_size_bytes`` when set, else
+    GPU 0's when it is of the target's arch, else the arch's row of ``CUDA_ARCH_FACTS``."""
+    target = resolve(target)
+    arch = _arch_of(target)
+    given = target.attrs.get("l2_cache_size_bytes")
+    return int(given) if given else _arch_facts(arch)[1]
+
+
+def _arch_of(target: Any) -> str:
+    target = resolve(target)
+    if target.kind.name != "cuda":
+        raise ValueError(f"GPU facts need a CUDA target, got {target.kind.name}")
+    return str(target.attrs.get("arch", DEFAULT_CUDA_ARCH))
+
+
+@functools.cache
+def _arch_facts(arch: str) -> tuple[int, int]:
+    """(SMs, L2 bytes) for ``arch``, looked up once: candidates ask on every default."""
+    table = CUDA_ARCH_FACTS.get(arch, CUDA_ARCH_FACTS[DEFAULT_CUDA_ARCH])
+    gpu = _gpu0()
+    if gpu is not None and gpu[0] == arch:
+        return gpu[1] or table[0], gpu[2] or table[1]
+    return table

@@ -7,10 +7,10 @@ each), so the cost model learns across candidates and knobs; MetaSchedule's task
 scheduler shares the trial budget among tasks and shapes. Every record's trace
 carries the candidate's name and knob values as annotations of the root block.
 
-What stock MetaSchedule needs to tune these kernels at all (seen on the H200, see
-DESIGN.md): an argument allocator that gives the runner valid class indices (the
-stock one fills int64 targets with random bits, so the kernel is asked to read far
-out of bounds and the runner dies), and builds in a process that has imported this
+What stock MetaSchedule needs to tune these kernels at all (seen on the H200): an
+argument allocator that gives the runner valid class indices (the stock one fills
+int64 targets with random bits, so the kernel is asked to read far out of bounds
+and the runner dies), and builds in a process that has imported this
 package (TVM only knows our tuple reducers once they are registered there; stock
 builds also timed out at 30 s).
 
@@ -39,6 +39,7 @@ from tvm.target import Target
 from . import records, registry, targets
 from .compute import prim_func
 from .contracts import Problem
+from .timing import copies_for, time_gpu
 
 RUN_TIMEOUT_S = 60
 IGNORED_FRACTION = 0.05
@@ -121,8 +122,6 @@ def graph_replay_evaluator(rt_mod: Any, device: Any, evaluator_config: Any, repe
         on_cuda = False
     if not on_cuda:
         return run_evaluator_common(rt_mod, device, evaluator_config, repeated_args)
-    from .bench import copies_for, time_gpu
-
     func, first = rt_mod["main"], repeated_args[0]
     nbytes = sum(t.numel() * tvm.runtime.DataType(str(t.dtype)).itemsize for t in first)
     sets = [first] + [[t.copyto(device) for t in first] for _ in range(copies_for(nbytes) - 1)]

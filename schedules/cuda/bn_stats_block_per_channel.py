@@ -30,13 +30,12 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import outputs_to, single_thread, thread_reduce
-from .common import vector_choices
+from .common import MAX_THREADS, vector_choices, widest_vector
 
 # Threads per block by values per channel, from first principles (a few vectors per
 # lane per step). H200, 2026-11-29 (results/benchmarks.csv): 64x256x56x56 fp16 with
 # 256 threads 0.0350 ms (2.94 TB/s); 256x2048x7x7 with 256 threads 0.0236 ms.
 THREADS_BY_COUNT = [(4096, 128), (32768, 256), (262144, 512)]
-THREADS_MAX = 1024
 
 
 @dataclass(frozen=True)
@@ -66,8 +65,8 @@ class BNStatsBlockPerChannel(Candidate):
         }
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> BlockPerChannelKnobs:
-        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], self._contiguous(problem)))
-        threads = ladder(problem.count // vector, THREADS_BY_COUNT, THREADS_MAX)
+        vector = widest_vector(problem.dtype, self._contiguous(problem))
+        threads = ladder(problem.count // vector, THREADS_BY_COUNT, MAX_THREADS)
         return BlockPerChannelKnobs(threads=threads, vector=vector, unroll=16)
 
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:

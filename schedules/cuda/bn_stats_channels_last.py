@@ -36,17 +36,15 @@ from tvm.target import Target
 from tvm_fusion.contracts import BNStatsProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
+from tvm_fusion.targets import sm_count
 
 from ..common import lanes_split, read_index, single_thread, unroll
-from .common import vector_choices
-
-SMS = 132
-FINALIZE_THREADS = 128
+from .common import BLOCKS_PER_SM, FINALIZE_THREADS, vector_choices, widest_vector
 
 
 @dataclass(frozen=True)
 class ChannelsLastKnobs(Knobs):
-    splits: int = 132  # blocks along M
+    splits: int = 132  # blocks along M (the default comes from the target's SMs)
     rows: int = 4  # threadIdx.y
     channel_lanes: int = 32  # threadIdx.x: channel vectors per block
     vector: int = 8
@@ -67,8 +65,9 @@ class BNStatsChannelsLast(Candidate):
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
         vectors = vector_choices(DTYPE_BYTES[problem.dtype], problem.channels)
+        sms = sm_count(target)
         return {
-            "splits": [33, 66, 132, 264, 528],
+            "splits": [sms // 4, sms // 2, sms, 2 * sms, 4 * sms],  # 33 .. 528 on 132 SMs
             "rows": [1, 2, 4, 8, 16],
             "channel_lanes": [8, 16, 32, 64, 128, 256],
             "vector": vectors,
@@ -76,13 +75,13 @@ class BNStatsChannelsLast(Candidate):
         }
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> ChannelsLastKnobs:
-        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.channels))
+        vector = widest_vector(problem.dtype, problem.channels)
         lanes = 1
         while lanes * vector < problem.channels and lanes < 256:
             lanes *= 2
         rows = max(1, min(16, 256 // lanes))
         groups = -(-problem.channels // (lanes * vector))
-        splits = max(1, min(4 * SMS // groups, problem.shape[0] // (rows * 8) or 1))
+        splits = max(1, min(BLOCKS_PER_SM * sm_count(target) // groups, problem.shape[0] // (rows * 8) or 1))
         return ChannelsLastKnobs(splits=splits, rows=rows, channel_lanes=lanes, vector=vector, unroll=4)
 
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:

@@ -29,15 +29,11 @@ from dataclasses import dataclass
 from tvm.target import Target
 
 from tvm_fusion.contracts import BNStatsProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
+from tvm_fusion.targets import sm_count
 
 from ..common import lanes_split, read_index, single_thread, unroll
-from .common import vector_choices
-
-SMS = 132  # H200
-BLOCKS_WANTED = 4 * SMS  # enough resident blocks that every SM keeps loads in flight
-FINALIZE_THREADS = 128
+from .common import BLOCKS_PER_SM, FINALIZE_THREADS, widest_vector
 
 
 @dataclass(frozen=True)
@@ -65,29 +61,29 @@ class BNStatsSplitPlane(Candidate):
         puts the run index and the reduction index in one predicate, and TVM then
         silently skips the cross-thread lowering (lanes race on the partial: seen on
         8x32x1009 on the H200, 2026-11-29)."""
-        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]))
+        vector = widest_vector(problem.dtype, problem.shape[2])
         run = problem.count // vector
         return [s for s in range(2, 257) if run % s == 0 and run // s >= 32]
 
-    def prefers(self, problem: BNStatsProblem) -> bool:
+    def prefers(self, problem: BNStatsProblem, target: Target) -> bool:
         # Fewer channels than SMs: a block per channel leaves SMs idle. H200 bench of
         # 2026-11-29 (results/benchmarks.csv): 32x64x112x112 fp16 0.0166 ms against
         # 0.0317 for a block per channel; 8x3x224x224 0.0045 against 0.0303; but
         # 64x256x56x56 (256 channels) 0.0400 against 0.0350.
-        return problem.channels < SMS and problem.count >= 16384
+        return problem.channels < sm_count(target) and problem.count >= 16384
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
         return {
             "splits": self._splits(problem),
             "threads": [128, 256, 512],
-            "vector": [max(vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]))],
+            "vector": [widest_vector(problem.dtype, problem.shape[2])],
             "unroll": [1, 4, 8, 16],
         }
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> SplitPlaneKnobs:
-        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]))
+        vector = widest_vector(problem.dtype, problem.shape[2])
         options = self._splits(problem)
-        wanted = -(-BLOCKS_WANTED // problem.channels)
+        wanted = -(-(BLOCKS_PER_SM * sm_count(target)) // problem.channels)
         splits = min((s for s in options if s >= wanted), default=options[-1])
         per_block = problem.count // (splits * vector)
         threads = 512 if per_block >= 512 * 8 else (256 if per_block >= 256 * 2 else 128)

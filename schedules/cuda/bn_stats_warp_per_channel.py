@@ -26,10 +26,8 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import outputs_to, single_thread, thread_reduce
-from .common import vector_choices
+from .common import WARP, vector_choices, widest_vector
 
-WARP = 32
-SMS = 132
 COUNT_MAX = 65536
 
 
@@ -54,7 +52,7 @@ class BNStatsWarpPerChannel(Candidate):
         # values a channel the error reaches 1e-4 (64x256x56x56 on the H200).
         return problem.op == self.op and not problem.channels_last and problem.count <= COUNT_MAX
 
-    def prefers(self, problem: BNStatsProblem) -> bool:
+    def prefers(self, problem: BNStatsProblem, target: Target) -> bool:
         # 256x2048x7x7 fp16 on the H200 (2026-11-29, results/benchmarks.csv): 0.0335 ms
         # against 0.0236 for a block per channel, so it waits for a tuning record.
         return False
@@ -67,7 +65,7 @@ class BNStatsWarpPerChannel(Candidate):
         }
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> WarpPerChannelKnobs:
-        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]))
+        vector = widest_vector(problem.dtype, problem.shape[2])
         return WarpPerChannelKnobs(channels=4, vector=vector, unroll=16)
 
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:

@@ -1,13 +1,33 @@
-"""CUDA steps shared by the candidates of one operator."""
+"""CUDA steps and launch ladders shared by the candidates.
+
+A number used by more than one candidate is written here once, with its evidence;
+a threshold only one candidate uses stays in that candidate's module.
+"""
 
 from __future__ import annotations
 
 from tvm import s_tir
 
+from tvm_fusion.contracts.common import DTYPE_BYTES
+
 from ..common import outputs_to, single_thread
 
 MAX_THREADS = 1024
+WARP = 32
 VECTOR_BYTES = 16  # one 128-bit load (LDG.E.128) per lane
+# Threads of the grid-split candidates' finalize kernel (one block per channel sums
+# that channel's partials).
+FINALIZE_THREADS = 128
+# Blocks per SM a grid-split kernel aims for: enough resident blocks that every SM
+# keeps loads in flight (split_plane's splits, channels_last's splits).
+BLOCKS_PER_SM = 4
+
+# Threads per block by 16-byte vectors per row: about 8-16 vectors per lane per
+# pass, from first principles. On the H200 (2026-11-29, results/benchmarks.csv) the
+# default for 4096x32000 fp16 (256 threads, vector 8) took 0.1153 ms; the tuner found
+# 512 threads with vector 4 at 0.0894 ms (runner time): tuning records, not this
+# ladder, carry such per-shape findings. Used by every block-per-row cross entropy.
+THREADS_BY_VECTORS = [(1024, 64), (4096, 256), (16384, 512)]
 
 
 def vector_choices(elem_bytes: int, contiguous: int) -> list[int]:
@@ -22,6 +42,11 @@ def vector_choices(elem_bytes: int, contiguous: int) -> list[int]:
             widths.append(width)
         width *= 2
     return widths or [1]
+
+
+def widest_vector(dtype: str, contiguous: int) -> int:
+    """The widest of :func:`vector_choices`: every candidate's default vector."""
+    return max(vector_choices(DTYPE_BYTES[dtype], contiguous))
 
 
 def schedule_ce_batch_stage(sch: s_tir.Schedule, reduction: str, threads: int = MAX_THREADS) -> None:

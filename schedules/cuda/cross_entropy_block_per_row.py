@@ -30,15 +30,7 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import outputs_to, single_thread, thread_reduce
-from .common import schedule_ce_batch_stage, vector_choices
-
-# Threads per block by 16-byte vectors per row: about 8-16 vectors per lane per
-# pass, from first principles. On the H200 (2026-11-29, results/benchmarks.csv) the
-# default for 4096x32000 fp16 (256 threads, vector 8) took 0.1153 ms; the tuner found
-# 512 threads with vector 4 at 0.0894 ms (runner time): tuning records, not this
-# ladder, carry such per-shape findings.
-THREADS_BY_VECTORS = [(1024, 64), (4096, 256), (16384, 512)]
-THREADS_MAX = 1024
+from .common import MAX_THREADS, THREADS_BY_VECTORS, schedule_ce_batch_stage, vector_choices, widest_vector
 
 
 @dataclass(frozen=True)
@@ -65,8 +57,8 @@ class CrossEntropyBlockPerRow(Candidate):
         }
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> BlockPerRowKnobs:
-        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.classes))
-        threads = ladder(problem.classes // vector, THREADS_BY_VECTORS, THREADS_MAX)
+        vector = widest_vector(problem.dtype, problem.classes)
+        threads = ladder(problem.classes // vector, THREADS_BY_VECTORS, MAX_THREADS)
         return BlockPerRowKnobs(threads=threads, vector=vector, unroll=16)
 
     def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:

@@ -29,14 +29,12 @@ from tvm.target import Target
 from tvm_fusion.contracts import CrossEntropyProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
+from tvm_fusion.targets import sm_count
 
 from ..common import outputs_to, read_index, single_thread, unroll
-from .common import schedule_ce_batch_stage
-from .cross_entropy_block_per_row import THREADS_BY_VECTORS, THREADS_MAX
-
+from .common import MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, schedule_ce_batch_stage
 
 ONLINE_ROW_BYTES = 8192
-SMS = 132  # H200
 
 
 @dataclass(frozen=True)
@@ -54,20 +52,21 @@ class CrossEntropyOnline(Candidate):
     knobs = OnlineKnobs
     claims = {"shuffles": True, "vector_loads": True}
 
-    def prefers(self, problem: CrossEntropyProblem) -> bool:
+    def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
         # One HBM read beats two passes once rows are long and fill the GPU. H200,
         # 2026-11-29 (results/benchmarks.csv): 4096x32000 fp16 0.0694 ms against
         # 0.0827 (row in shared memory) and 0.1153 (block per row); 16384x50257 bf16
         # 0.5227 against 0.6403. With fewer rows than two per SM it loses:
         # 128x32000 fp16 0.0123 against 0.0085 for a block per row.
-        return problem.classes * DTYPE_BYTES[problem.dtype] >= ONLINE_ROW_BYTES and problem.batch >= 2 * SMS
+        return (problem.classes * DTYPE_BYTES[problem.dtype] >= ONLINE_ROW_BYTES
+                and problem.batch >= 2 * sm_count(target))
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
         return {"threads": [128, 256, 512, 1024], "unroll": [1, 4, 16]}
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> OnlineKnobs:
-        chunk = 16 // DTYPE_BYTES[problem.dtype]
-        threads = max(128, ladder(problem.classes // chunk, THREADS_BY_VECTORS, THREADS_MAX))
+        chunk = VECTOR_BYTES // DTYPE_BYTES[problem.dtype]
+        threads = max(128, ladder(problem.classes // chunk, THREADS_BY_VECTORS, MAX_THREADS))
         return OnlineKnobs(threads=threads, unroll=16)
 
     def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:

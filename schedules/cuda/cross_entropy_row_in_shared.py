@@ -31,8 +31,7 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import lanes_split, outputs_to, read_index, single_thread, thread_reduce
-from .common import schedule_ce_batch_stage, vector_choices
-from .cross_entropy_block_per_row import THREADS_BY_VECTORS, THREADS_MAX
+from .common import MAX_THREADS, THREADS_BY_VECTORS, schedule_ce_batch_stage, vector_choices, widest_vector
 
 ROW_BYTES_MAX = 112 * 1024  # two blocks per SM (227 KB of shared memory on sm_90)
 
@@ -56,7 +55,7 @@ class CrossEntropyRowInShared(Candidate):
     def applies(self, problem: CrossEntropyProblem) -> bool:
         return problem.op == self.op and problem.classes * DTYPE_BYTES[problem.dtype] <= ROW_BYTES_MAX
 
-    def prefers(self, problem: CrossEntropyProblem) -> bool:
+    def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
         return False  # until a bench or tuning record says where it wins
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
@@ -67,8 +66,8 @@ class CrossEntropyRowInShared(Candidate):
         }
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> RowInSharedKnobs:
-        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.classes))
-        threads = min(512, ladder(problem.classes // vector, THREADS_BY_VECTORS, THREADS_MAX))
+        vector = widest_vector(problem.dtype, problem.classes)
+        threads = min(512, ladder(problem.classes // vector, THREADS_BY_VECTORS, MAX_THREADS))
         return RowInSharedKnobs(threads=threads, vector=vector, unroll=8)
 
     def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:

@@ -26,9 +26,8 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import outputs_to, single_thread, thread_reduce
-from .common import schedule_ce_batch_stage, vector_choices
+from .common import WARP, schedule_ce_batch_stage, vector_choices, widest_vector
 
-WARP = 32
 MAX_VECTORS_PER_LANE = 16  # past 16 vectors per lane a row wants more than a warp
 
 
@@ -51,8 +50,8 @@ class CrossEntropyWarpPerRow(Candidate):
     def applies(self, problem: CrossEntropyProblem) -> bool:
         return problem.op == self.op and problem.classes <= WARP * MAX_VECTORS_PER_LANE * 8
 
-    def prefers(self, problem: CrossEntropyProblem) -> bool:
-        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.classes))
+    def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
+        vector = widest_vector(problem.dtype, problem.classes)
         return problem.classes // vector <= WARP * 8
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
@@ -63,7 +62,7 @@ class CrossEntropyWarpPerRow(Candidate):
         }
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> WarpPerRowKnobs:
-        vector = max(vector_choices(DTYPE_BYTES[problem.dtype], problem.classes))
+        vector = widest_vector(problem.dtype, problem.classes)
         return WarpPerRowKnobs(rows=4, vector=vector, unroll=16)
 
     def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:
