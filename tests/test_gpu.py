@@ -1,6 +1,6 @@
 """GPU: every CUDA candidate whose predicate says it applies is correct there.
 
-Each candidate runs on the shapes of DESIGN.md's table and on awkward ones, with
+Each candidate runs on the bench's table shapes (`bench.GPU_CASES`) and on awkward ones, with
 outputs poisoned (NaN) first, against a float64 reference computed by torch on the
 device. Why each awkward shape is here:
 
