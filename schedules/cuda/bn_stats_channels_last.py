@@ -82,6 +82,8 @@ class BNStatsChannelsLast(Candidate):
         rows = max(1, min(16, 256 // lanes))
         groups = -(-problem.channels // (lanes * vector))
         splits = max(1, min(BLOCKS_PER_SM * sm_count(target) // groups, problem.shape[0] // (rows * 8) or 1))
+        if splits * rows == 1:  # one partial: kernel 2's reduction loop would vanish
+            rows = 2  # (the second lane row may own no row: its partials are zeros)
         return ChannelsLastKnobs(splits=splits, rows=rows, channel_lanes=lanes, vector=vector, unroll=4)
 
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:

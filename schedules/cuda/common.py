@@ -49,6 +49,15 @@ def widest_vector(dtype: str, contiguous: int) -> int:
     return max(vector_choices(DTYPE_BYTES[dtype], contiguous))
 
 
+def spans_two_vectors(classes: int, dtype: str) -> bool:
+    """A row holds more than one of its widest vectors. With a single vector the
+    cross-thread reduction's serial loop has extent 1 and disappears, the block's
+    syncs land under the lane guard, and TVM 0.27 refuses to lower ("Cannot insert
+    syncs inside condition"): found by the GPU sweep's builds at V = 1, 2, 4 (float32)
+    and V = 8 (16-bit)."""
+    return classes > widest_vector(dtype, classes)
+
+
 def schedule_ce_batch_stage(sch: s_tir.Schedule, reduction: str, threads: int = MAX_THREADS) -> None:
     """Second kernel of cross entropy: one block sums the row losses and weights and
     finds the first bad target, each thread striding over rows, then a warp-shuffle

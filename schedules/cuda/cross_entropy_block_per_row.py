@@ -30,7 +30,9 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import outputs_to, single_thread, thread_reduce
-from .common import MAX_THREADS, THREADS_BY_VECTORS, schedule_ce_batch_stage, vector_choices, widest_vector
+from .common import (
+    MAX_THREADS, THREADS_BY_VECTORS, schedule_ce_batch_stage, spans_two_vectors, vector_choices, widest_vector,
+)
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ class CrossEntropyBlockPerRow(Candidate):
     algorithm = "three_pass"
     knobs = BlockPerRowKnobs
     claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyProblem) -> bool:
+        return problem.op == self.op and spans_two_vectors(problem.classes, problem.dtype)
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
         return {

@@ -31,7 +31,9 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import lanes_split, outputs_to, read_index, single_thread, thread_reduce
-from .common import MAX_THREADS, THREADS_BY_VECTORS, schedule_ce_batch_stage, vector_choices, widest_vector
+from .common import (
+    MAX_THREADS, THREADS_BY_VECTORS, schedule_ce_batch_stage, spans_two_vectors, vector_choices, widest_vector,
+)
 
 ROW_BYTES_MAX = 112 * 1024  # two blocks per SM (227 KB of shared memory on sm_90)
 
@@ -53,7 +55,8 @@ class CrossEntropyRowInShared(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyProblem) -> bool:
-        return problem.op == self.op and problem.classes * DTYPE_BYTES[problem.dtype] <= ROW_BYTES_MAX
+        return (problem.op == self.op and problem.classes * DTYPE_BYTES[problem.dtype] <= ROW_BYTES_MAX
+                and spans_two_vectors(problem.classes, problem.dtype))
 
     def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
         return False  # until a bench or tuning record says where it wins

@@ -26,7 +26,7 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import outputs_to, single_thread, thread_reduce
-from .common import WARP, schedule_ce_batch_stage, vector_choices, widest_vector
+from .common import WARP, schedule_ce_batch_stage, spans_two_vectors, vector_choices, widest_vector
 
 MAX_VECTORS_PER_LANE = 16  # past 16 vectors per lane a row wants more than a warp
 
@@ -48,7 +48,10 @@ class CrossEntropyWarpPerRow(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyProblem) -> bool:
-        return problem.op == self.op and problem.classes <= WARP * MAX_VECTORS_PER_LANE * 8
+        # One row of one vector leaves no loop for the syncs (spans_two_vectors);
+        # with two rows or more the row loop is there.
+        return (problem.op == self.op and problem.classes <= WARP * MAX_VECTORS_PER_LANE * 8
+                and (problem.batch > 1 or spans_two_vectors(problem.classes, problem.dtype)))
 
     def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
         vector = widest_vector(problem.dtype, problem.classes)
