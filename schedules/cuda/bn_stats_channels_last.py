@@ -42,6 +42,9 @@ from ..common import lanes_split, read_index, single_thread, unroll
 from .common import BLOCKS_PER_SM, FINALIZE_THREADS, vector_choices, widest_vector
 
 
+MIN_ROWS = 4  # two partials of two rows each: the smallest shape the schedule keeps whole
+
+
 @dataclass(frozen=True)
 class ChannelsLastKnobs(Knobs):
     splits: int = 132  # blocks along M (the default comes from the target's SMs)
@@ -61,14 +64,28 @@ class BNStatsChannelsLast(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: BNStatsProblem) -> bool:
-        return problem.op == self.op and problem.channels_last
+        # At least MIN_ROWS rows: two partials, each with a row loop of two steps
+        # (see ``choices``); fewer rows go to bn_stats_block_per_channel.
+        return problem.op == self.op and problem.channels_last and problem.shape[0] >= MIN_ROWS
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
         vectors = vector_choices(DTYPE_BYTES[problem.dtype], problem.channels)
+        # Every (splits, rows) pair leaves each lane at least two steps of rows
+        # (splits * rows * 2 <= M). With one step the row loop vanishes, TVM hoists
+        # the row guard over the write-back too, and the partials of lanes past the
+        # last row are never written: the finalize kernel then read stale workspace
+        # (the H200 sweep: (M, C) = (8, 32) fp16 gave means off by 2.95 from the
+        # second call on, correct on the first).
+        rows = [r for r in (1, 2, 4, 8, 16) if r * 2 <= problem.shape[0]]
         sms = sm_count(target)
+        splits = [s for s in (sms // 4, sms // 2, sms, 2 * sms, 4 * sms)  # 33 .. 528 on 132 SMs
+                  if s * max(rows) * 2 <= problem.shape[0]]
+        if not splits:  # few rows: fewer blocks, and two partials at least (one block)
+            splits = [max(1, problem.shape[0] // (2 * max(rows)))]
+            rows = [r for r in rows if r * splits[0] >= 2]
         return {
-            "splits": [sms // 4, sms // 2, sms, 2 * sms, 4 * sms],  # 33 .. 528 on 132 SMs
-            "rows": [1, 2, 4, 8, 16],
+            "splits": splits,
+            "rows": rows,
             "channel_lanes": [8, 16, 32, 64, 128, 256],
             "vector": vectors,
             "unroll": [1, 2, 4, 8],
@@ -79,11 +96,9 @@ class BNStatsChannelsLast(Candidate):
         lanes = 1
         while lanes * vector < problem.channels and lanes < 256:
             lanes *= 2
-        rows = max(1, min(16, 256 // lanes))
+        rows = max(1, min(16, 256 // lanes, problem.shape[0] // 2))  # two steps at least
         groups = -(-problem.channels // (lanes * vector))
         splits = max(1, min(BLOCKS_PER_SM * sm_count(target) // groups, problem.shape[0] // (rows * 8) or 1))
-        if splits * rows == 1:  # one partial: kernel 2's reduction loop would vanish
-            rows = 2  # (the second lane row may own no row: its partials are zeros)
         return ChannelsLastKnobs(splits=splits, rows=rows, channel_lanes=lanes, vector=vector, unroll=4)
 
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:

@@ -80,7 +80,10 @@ class CrossEntropyWarpPerRow(Candidate):
             block = sch.get_sblock(name)
             sch.compute_at(block, warp_row, preserve_unit_loops=True)
             thread_reduce(sch, block, 2, WARP, knobs.vector, knobs.unroll, "logits")
-            outputs_to(sch, block, "shared")
+            # In registers: every lane holds the shuffled result. In shared memory,
+            # lane 0's store raced the other lanes' reads (no __syncwarp between):
+            # the GPU sweep saw rows lose their max, loss off by ~40 at logits ~38.
+            outputs_to(sch, block, "local")
         # 3. Lane 0 writes the row loss.
         single_thread(sch, epilogue, WARP)
         schedule_ce_batch_stage(sch, problem.reduction)
