@@ -104,8 +104,10 @@ def test_channels_last_zeroes_every_partial_before_the_row_guard(shape, dtype):
 
 
 def first_kernel(source: str) -> str:
+    """The body of the first kernel (the source declares every kernel, then defines them)."""
     start = source.index("{", source.index("void __launch_bounds__", source.index("void __launch_bounds__") + 1))
-    return source[start : source.index('extern "C"', start)]
+    end = source.find('extern "C"', start)
+    return source[start : end if end >= 0 else len(source)]
 
 
 # Few rows per lane: the row loop of one step vanished and TVM moved the row guard
@@ -135,3 +137,68 @@ def test_channels_last_leaves_fewer_than_four_rows_to_the_fallback():
         problem = tf.make_problem("bn_stats", (rows, 64), "float32", layout="NHWC")
         names = [c.name for c in registry.applicable(problem, CUDA)]
         assert "bn_stats_channels_last" not in names and "bn_stats_block_per_channel" in names
+
+
+def barriers_under_a_guard(source: str) -> list[str]:
+    """The ``if`` lines that enclose a ``__syncthreads()``: a barrier that only some
+    threads reach deadlocks the block (a GPU hang, not an error)."""
+    found, opened = [], []
+    for line in source.splitlines():
+        text = line.strip()
+        if "__syncthreads" in text and any(o.startswith("if") for o in opened):
+            found.append(next(o for o in reversed(opened) if o.startswith("if")))
+        for char in text:
+            if char == "{":
+                opened.append(text)
+            elif char == "}" and opened:
+                opened.pop()
+    return found
+
+
+def knob_cases():
+    """Every CUDA candidate over shapes whose tails leave threads idle, with its
+    default and a few seeded configurations of its space."""
+    import random
+
+    shapes = [("cross_entropy", (24, 724), "float32", {"weight": True, "reduction": "sum"}),
+              ("cross_entropy", (3, 1000), "bfloat16", {"label_smoothing": 0.1}),
+              ("cross_entropy", (5, 50257), "float16", {}),
+              ("bn_stats", (4, 16, 23), "bfloat16", {}), ("bn_stats", (3, 7, 5, 96), "float16", {"layout": "NHWC"}),
+              ("bn_stats", (8, 3, 1009), "float32", {})]
+    for op, shape, dtype, options in shapes:
+        problem = tf.make_problem(op, shape, dtype, **options)
+        for cand in registry.applicable(problem, CUDA):
+            configs = cand.all_configs(problem, CUDA)
+            picks = [cand.default_for(problem, CUDA)] + random.Random(cand.name).sample(configs, min(8, len(configs)))
+            yield pytest.param(problem, cand.name, picks, id=f"{cand.name}-{problem.key()}")
+
+
+@pytest.mark.parametrize("problem, candidate, configs", list(knob_cases()))
+def test_no_barrier_under_a_thread_guard(problem, candidate, configs):
+    for knobs in configs:
+        try:
+            kernel = build_kernel(problem, CUDA, candidate, knobs)
+        except Exception as err:  # noqa: BLE001 - a config the space allows but TVM rejects is not this test's
+            if "launch_bounds" in str(err) or "threads" in str(err):
+                continue
+            raise
+        assert not barriers_under_a_guard(kernel.device_source()), f"{knobs}: {barriers_under_a_guard(kernel.device_source())[:2]}"
+
+
+# Warp-level candidates hand values between lanes by shuffles only: shared memory
+# written by lane 0 and read by the others raced (no __syncwarp between).
+@pytest.mark.parametrize("problem, candidate", [
+    (tf.make_problem("cross_entropy", (44, 37), "bfloat16", label_smoothing=0.3), "cross_entropy_warp_per_row"),
+    (tf.make_problem("cross_entropy", (64, 1000), "float16"), "cross_entropy_warp_per_row"),
+    (tf.make_problem("bn_stats", (4, 16, 23), "bfloat16"), "bn_stats_warp_per_channel"),
+    (tf.make_problem("bn_stats", (8, 4096, 49), "float16"), "bn_stats_warp_per_channel"),
+], ids=lambda v: getattr(v, "key", lambda: v)())
+def test_warp_candidates_use_no_shared_memory_in_the_row_kernel(problem, candidate):
+    assert "__shared__" not in first_kernel(build_kernel(problem, CUDA, candidate).device_source())
+
+
+@pytest.mark.parametrize("shape", [(4, 1000), (15, 1000), (7, 3072), (4, 4096)])
+def test_channels_last_defaults_build_for_wide_rows(shape):
+    problem = tf.make_problem("bn_stats", shape, "float32", layout="NHWC")
+    kernel = build_kernel(problem, CUDA, "bn_stats_channels_last")
+    assert kernel.knobs.splits * kernel.knobs.rows >= 2

@@ -99,6 +99,8 @@ class BNStatsChannelsLast(Candidate):
         rows = max(1, min(16, 256 // lanes, problem.shape[0] // 2))  # two steps at least
         groups = -(-problem.channels // (lanes * vector))
         splits = max(1, min(BLOCKS_PER_SM * sm_count(target) // groups, problem.shape[0] // (rows * 8) or 1))
+        if splits * rows < 2:  # wide rows (256 lanes x 1 row): two blocks, two partials
+            splits = 2
         return ChannelsLastKnobs(splits=splits, rows=rows, channel_lanes=lanes, vector=vector, unroll=4)
 
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:

@@ -80,10 +80,12 @@ class BNStatsWarpPerChannel(Candidate):
         sch.compute_at(moments, warp_channel, preserve_unit_loops=True)
         thread_reduce(sch, moments, 2, WARP, knobs.vector, knobs.unroll, "x")
         outputs_to(sch, moments, "local")
+        # The shift K[c] in each lane's registers: a broadcast load per lane. Kept in
+        # shared memory by lane 0, it raced the other lanes' reads (no __syncwarp
+        # between; the H200 sweep: every mean off with channels=4, vector=1).
         shift = sch.get_sblock("shift")
         sch.compute_at(shift, warp_channel, preserve_unit_loops=True)
-        sch.set_scope(shift, 0, "shared")
-        single_thread(sch, shift, WARP)
+        sch.set_scope(shift, 0, "local")
         # 3. Lane 0 writes the statistics.
         single_thread(sch, mean, WARP)
         single_thread(sch, var, WARP)

@@ -76,7 +76,10 @@ class CrossEntropyBlockPerRow(Candidate):
             block = sch.get_sblock(name)
             sch.compute_at(block, row, preserve_unit_loops=True)
             thread_reduce(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll, "logits")
-            outputs_to(sch, block, "shared")
+            # The row statistic in every thread's registers (the allreduce hands it
+            # to all). In shared memory, TVM's ThreadSync put a __syncthreads inside
+            # the guarded tail of the next pass (V = 724, 64 threads x 4): the GPU hung.
+            outputs_to(sch, block, "local")
         # 3. The scalar transform on one thread.
         single_thread(sch, epilogue, knobs.threads)
         # 4. The batch reduction kernel.

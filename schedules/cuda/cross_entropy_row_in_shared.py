@@ -86,7 +86,10 @@ class CrossEntropyRowInShared(Candidate):
         for block in (row_sum, row_max):
             sch.compute_at(block, row, preserve_unit_loops=True)
             thread_reduce(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll, shared_name)
-            outputs_to(sch, block, "shared")
+            # The row statistic in every thread's registers (the allreduce hands it
+            # to all). In shared memory, TVM's ThreadSync put a __syncthreads inside
+            # the guarded tail of the next pass (V = 724, 64 threads x 4): the GPU hung.
+            outputs_to(sch, block, "local")
         # 2. The row copied in once.
         sch.compute_at(copy, row, preserve_unit_loops=True)
         _, _, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
