@@ -11,10 +11,12 @@ decomposition, for any shape on the CPU.
    no vector width divides L, into one partial per plane (rfactor over N).
 (M, C) view:
 1. Channels are split into ``lanes``-wide groups that run in parallel.
-2. ``moments`` keeps ``partials`` partial sums along M (rfactor; fewer float32
-   roundings per sum) and walks M in the outer loop with a vector of channels
-   inside, so each row of x is read contiguously; with fewer than 4 channels the
-   partials are the vector lanes instead.
+2. ``moments`` keeps ``partials`` partial sums along M (rfactor over a split of
+   M by a divisor from 4 to 64; fewer float32 roundings per sum) and walks M in
+   the outer loop with a vector of channels inside, so each row of x is read
+   contiguously; with fewer than 4 channels and M a multiple of 4 the partials are
+   the vector lanes instead. A prime M keeps one partial: its variance carries the
+   drift of float32 sums over M rows (1.9e-3 relative at 1M bf16 rows).
 
 Below ``SERIAL_BELOW`` values the same schedule runs on one core (``parallel=0``):
 the thread pool's launch would cost more than the work.
@@ -30,11 +32,18 @@ from dataclasses import dataclass
 from tvm.target import Target
 
 from tvm_fusion.contracts import BNStatsProblem
-from tvm_fusion.registry import Candidate, Knobs, register
+from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import knob_value
 
 from .common import lane_choices, lane_partials, parallel_choices, vectorize_partials
+
+
+# (M, C) partial sums along M: float32 sums of same-sign d^2 drift like the rows each
+# partial adds. One partial over 1M bf16 rows (C = 24) put the variance 1.9e-3 off
+# (relative), 16 partials 3.1e-4, at the same speed (2 Xeon cores, 2026-12-01).
+PARTIALS = (4, 64)  # the range of partial counts (M, C) may use
+ROWS_PER_PARTIAL = [(1024, 4), (16384, 16)]  # (rows up to, partials wanted); more rows: 64
 
 
 @dataclass(frozen=True)
@@ -55,16 +64,30 @@ class BNStatsParallel(Candidate):
     def _contiguous(self, problem: BNStatsProblem) -> int:
         return problem.channels if problem.channels_last else problem.shape[2]
 
+    @staticmethod
+    def _vector_partials(problem: BNStatsProblem) -> bool:
+        """(M, C) with fewer than 4 channels: the partials are the vector lanes, so
+        they must divide M (a predicated vector would read past the rows)."""
+        return problem.channels_last and problem.channels < 4 and lane_choices(problem.shape[0]) != [1]
+
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
-        partials = lane_choices(problem.shape[0]) if problem.channels_last else [1]
+        if not problem.channels_last:
+            partials = [1]
+        elif self._vector_partials(problem):
+            partials = lane_choices(problem.shape[0])
+        else:  # scalar partials: any count that divides M (a predicated split of M
+            # loses its guard in compute_at here: TVM 0.27 then reads past the rows)
+            partials = [p for p in range(PARTIALS[0], PARTIALS[-1] + 1) if problem.shape[0] % p == 0][-5:] or [1]
         return {"lanes": lane_choices(self._contiguous(problem)), "partials": partials,
                 "parallel": parallel_choices(problem.count * problem.channels)}
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> ChannelsParallelKnobs:
         space = self.choices(problem, target)
         lanes, partials = space["lanes"], space["partials"]
+        wanted = ladder(problem.shape[0], ROWS_PER_PARTIAL, PARTIALS[-1])
+        fits = [p for p in partials if p <= wanted]
         return ChannelsParallelKnobs(
-            lanes=16 if 16 in lanes else max(lanes), partials=16 if 16 in partials else max(partials),
+            lanes=16 if 16 in lanes else max(lanes), partials=max(fits) if fits else min(partials),
             parallel=space["parallel"][0],
         )
 
@@ -90,7 +113,7 @@ class BNStatsParallel(Candidate):
             # read row by row, contiguously.
             row_partial, channel_lane, row = sch.get_loops(partial)[1:]
             sch.reorder(row, row_partial, channel_lane)
-            sch.vectorize(channel_lane if problem.channels >= 4 else row_partial)
+            sch.vectorize(row_partial if self._vector_partials(problem) else channel_lane)
             return
         # 1. Channels in parallel; 2b. each plane into vector-lane partials.
         if knob_value(sch, knobs.parallel):  # one choice per shape: safe to branch on
