@@ -39,6 +39,21 @@ def _per_loop(rough_ms: float, sets: int) -> int:
     return max(sets, count - count % sets)
 
 
+def _rough_ms_gpu(run: Callable[[], Any]) -> float:
+    """One warm-up call (module load, autotuners, torch.compile, allocator caches),
+    then one call timed with events: the size of the loops to come."""
+    import torch
+
+    run()
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    run()
+    stop.record()
+    stop.synchronize()
+    return max(start.elapsed_time(stop), 1e-3)
+
+
 def time_gpu(launches: list[Callable[[], None]], repeats: int = 15, per_graph: int = 0,
              graphable: bool = True) -> tuple[float, str]:
     """Median ms of one launch: CUDA graph replay of many launches timed with events;
@@ -50,14 +65,7 @@ def time_gpu(launches: list[Callable[[], None]], repeats: int = 15, per_graph: i
     import tvm_ffi
 
     with tvm_ffi.use_torch_stream():
-        launches[0]()  # warm-up: module load, autotuners, torch.compile
-        torch.cuda.synchronize()
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        launches[0]()
-        stop.record()
-        stop.synchronize()
-        rough = max(start.elapsed_time(stop), 1e-3)
+        rough = _rough_ms_gpu(launches[0])
         if rough > 2.0:  # slow (a peer's fallback schedule): a few launches are enough
             launches, repeats = launches[:3], 3
         for launch in launches:
@@ -110,14 +118,8 @@ def time_calls_gpu(calls: list[Callable[[], Any]], repeats: int = 7) -> tuple[fl
     on torch's current stream, as the caller's code does."""
     import torch
 
-    calls[0]()  # warm-up: compile, dispatch and allocator caches
-    torch.cuda.synchronize()
+    rough = _rough_ms_gpu(calls[0])
     start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    calls[0]()
-    stop.record()
-    stop.synchronize()
-    rough = max(start.elapsed_time(stop), 1e-3)
     if rough > 2.0:
         calls, repeats = calls[:3], min(repeats, 3)
     count = _per_loop(rough, len(calls))
