@@ -480,10 +480,9 @@ def check_bn(outputs, ref, what: str) -> None:
     assert_close(var, ref["var"], 0.0, ref["var_atol"], f"{what}: var")
 
 
-def sweep_bn(case: Case, target, failures: list[str], notes: list[str]) -> None:
-    problem = case.problem()
-    x = bn_data(case)
-    ref = bn_reference(x, problem)
+def run_every_kernel(case: Case, target, failures: list[str], notes: list[str], check) -> None:
+    """Build and ``check(kernel, label)`` every planned kernel of the case; a failure is
+    collected, not raised, so that every kernel of the case runs."""
     for planned in kernel_plan(case, target):
         label = f"{planned.candidate} ({'default' if planned.default else 'sampled'} knobs)"
         try:
@@ -492,9 +491,16 @@ def sweep_bn(case: Case, target, failures: list[str], notes: list[str]) -> None:
                 continue
             kernel, knobs = built
             label = f"{planned.candidate} [{knobs}]"
-            check_bn(run_poisoned(kernel, [x]), ref, label)
+            check(kernel, label)
         except Exception as err:  # noqa: BLE001 - collected: every kernel of the case runs
             failures.append(f"{label}: {type(err).__name__}: {err}")
+
+
+def sweep_bn(case: Case, target, failures: list[str], notes: list[str]) -> None:
+    problem = case.problem()
+    x = bn_data(case)
+    ref = bn_reference(x, problem)
+    run_every_kernel(case, target, failures, notes, lambda kernel, label: check_bn(run_poisoned(kernel, [x]), ref, label))
     layout = case.opts["layout"]
     try:
         poison_allocator([4 * problem.channels] * 2)
@@ -578,17 +584,8 @@ def sweep_ce(case: Case, target, failures: list[str], notes: list[str]) -> None:
     inputs = [logits, target_t] + ([weight] if weight is not None else [])
     expect_nan = o["reduction"] == "mean" and math.isnan(ref["mean"])
     fill = float("inf") if expect_nan else float("nan")
-    for planned in kernel_plan(case, target):
-        label = f"{planned.candidate} ({'default' if planned.default else 'sampled'} knobs)"
-        try:
-            built = build_planned(case, planned, target, notes)
-            if built is None:
-                continue
-            kernel, knobs = built
-            label = f"{planned.candidate} [{knobs}]"
-            check_ce_kernel(run_poisoned(kernel, inputs, fill), ref, case, label)
-        except Exception as err:  # noqa: BLE001 - collected: every kernel of the case runs
-            failures.append(f"{label}: {type(err).__name__}: {err}")
+    run_every_kernel(case, target, failures, notes,
+                     lambda kernel, label: check_ce_kernel(run_poisoned(kernel, inputs, fill), ref, case, label))
     kwargs = {k: o[k] for k in ("ignore_index", "reduction", "label_smoothing")
               if o[k] != {"ignore_index": -100, "reduction": "mean", "label_smoothing": 0.0}[k]}
     batch = case.shape[0]
