@@ -5,13 +5,23 @@ place that says, per (operator, target kind), in which order candidates are
 tried when there is no tuning record: most specific first, fallback last.
 """
 
-from .cpu import bn_stats_parallel, cross_entropy_parallel  # noqa: F401
+from .cpu import (  # noqa: F401
+    bn_stats_parallel,
+    cross_entropy_grad_from_lse_parallel,
+    cross_entropy_grad_parallel,
+    cross_entropy_parallel,
+)
 from .cuda import (  # noqa: F401
     bn_stats_block_per_channel,
     bn_stats_channels_last,
     bn_stats_split_plane,
     bn_stats_warp_per_channel,
     cross_entropy_block_per_row,
+    cross_entropy_grad_block_per_row,
+    cross_entropy_grad_from_lse_block_per_row,
+    cross_entropy_grad_from_lse_warp_per_row,
+    cross_entropy_grad_online,
+    cross_entropy_grad_warp_per_row,
     cross_entropy_online,
     cross_entropy_row_in_shared,
     cross_entropy_warp_per_row,
@@ -30,10 +40,23 @@ DISPATCH_ORDER = {
         "cross_entropy_online",
         "cross_entropy_block_per_row",
     ],
+    # Each candidate computes one mode (problem.mode): fused or from_lse.
+    ("cross_entropy_grad", "cuda"): [
+        "cross_entropy_grad_warp_per_row",
+        "cross_entropy_grad_online",
+        "cross_entropy_grad_block_per_row",
+        "cross_entropy_grad_from_lse_warp_per_row",
+        "cross_entropy_grad_from_lse_block_per_row",
+    ],
     ("bn_stats", "llvm"): [
         "bn_stats_parallel",
     ],
     ("cross_entropy", "llvm"): [
         "cross_entropy_parallel",
+    ],
+    # Each candidate computes one mode (problem.mode): fused or from_lse.
+    ("cross_entropy_grad", "llvm"): [
+        "cross_entropy_grad_parallel",
+        "cross_entropy_grad_from_lse_parallel",
     ],
 }

@@ -105,3 +105,33 @@ def single_thread(
     loop = sch.add_unit_loop(block)
     _, lane = sch.split(loop, [None, threads])
     sch.bind(lane, thread_axis)
+
+
+def grad_coefficients(problem: Any) -> tuple[str, ...]:
+    """The per-row coefficient blocks of a cross entropy gradient (``compute.
+    cross_entropy_grad``): each one value per row, read by ``dlogits`` only."""
+    names = ("grad_shift", "grad_a", "grad_b", "grad_t")
+    return names + (("grad_c",) if problem.label_smoothing > 0.0 else ())
+
+
+def coefficients_at(sch: s_tir.Schedule, problem: Any, row: LoopRV, scope: str | None = None) -> None:
+    """Compute the gradient's per-row coefficients at ``row`` (the ``dlogits`` row loop),
+    in ``scope`` when given (``local``: every thread keeps its own copy)."""
+    for name in grad_coefficients(problem):
+        block = sch.get_sblock(name)
+        sch.compute_at(block, row, preserve_unit_loops=True)
+        if scope is not None:
+            outputs_to(sch, block, scope)
+
+
+def merge_rows(sch: s_tir.Schedule, names: list[str]) -> LoopRV:
+    """One row loop for the named blocks (each with the row as its outer loop), at the
+    first one's place, bodies in the given order.
+
+    Why not compute_at into one anchor: the fused gradient's per-row outputs (``lse``,
+    the row loss) consume the row statistics and cannot move (output blocks), the
+    statistics cannot move under ``dlogits`` while those consumers stay outside, and
+    ``dlogits`` cannot move under the statistics' row because its coefficients read
+    the mean's denominator, a block outside. Merging the sibling row loops needs none
+    of that."""
+    return sch.merge(*[sch.get_loops(sch.get_sblock(name))[0] for name in names])

@@ -86,10 +86,12 @@ def run_poisoned(kernel, inputs: list[np.ndarray], device=None) -> list[np.ndarr
     comparison with the reference."""
     device = device or (tvm.cuda(0) if kernel.target.kind.name == "cuda" else tvm.cpu(0))
     args = [tvm.runtime.tensor(np.ascontiguousarray(a), device) for a in inputs]
-    shapes = kernel.params[: kernel.num_inputs]
+    # The parameters after the inputs are the outputs (Kernel.num_inputs counts
+    # logits, target[, weight] only: cross_entropy_grad's from_lse has two more).
+    shapes = kernel.params[: len(inputs)]
     args = [a._create_view(shape) for a, (_, shape, _) in zip(args, shapes)]
     outs = []
-    for _, shape, dtype in kernel.outputs:
+    for _, shape, dtype in kernel.params[len(inputs) :]:
         poison = POISON_INT if dtype.startswith("int") else POISON_FLOAT
         outs.append(tvm.runtime.tensor(np.full(shape, poison, dtype=dtype), device))
     kernel(*args, *outs)

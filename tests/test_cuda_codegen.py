@@ -155,6 +155,31 @@ def barriers_under_a_guard(source: str) -> list[str]:
     return found
 
 
+def shared_stores_by_every_thread(source: str) -> list[str]:
+    """Stores into a ``__shared__`` buffer that no one-thread guard (``threadIdx.x ==
+    0``, ``< 1``, a warp's lane 0) encloses: every thread writing a buffer the others
+    read. A multi-warp allreduce leaves its result in shared memory (``red_result``),
+    and StorageRewrite, which runs before that lowering, once gave a one-float
+    register born where the statistic died to the statistic's buffer: every thread
+    of cross_entropy_grad's row kernel then stored its coefficient there while others
+    still read the row's sum."""
+    shared = set(re.findall(r"__shared__ alignas\(\d+\) \w+ (\w+)\[", source))
+    found, opened = [], []
+    for line in source.splitlines():
+        text = line.strip()
+        store = re.match(r"(?:\(\(volatile \w+\*\))?(\w+)\)?\[[^\]]*\] = ", text)
+        if store and store.group(1) in shared:
+            guards = " ".join(o for o in opened if o.startswith("if"))
+            if not re.search(r"threadIdx\.x\) == 0|% 32\) == 0|threadIdx\.x\) < 1\)", guards):
+                found.append(text)
+        for char in text:
+            if char == "{":
+                opened.append(text)
+            elif char == "}" and opened:
+                opened.pop()
+    return found
+
+
 def knob_cases():
     """Every CUDA candidate over shapes whose tails leave threads idle, with its
     default and a few seeded configurations of its space."""
@@ -183,6 +208,7 @@ def test_no_barrier_under_a_thread_guard(problem, candidate, configs):
                 continue
             raise
         assert not barriers_under_a_guard(kernel.device_source()), f"{knobs}: {barriers_under_a_guard(kernel.device_source())[:2]}"
+        assert not shared_stores_by_every_thread(kernel.device_source()), f"{knobs}: {shared_stores_by_every_thread(kernel.device_source())[:2]}"
 
 
 # Warp-level candidates hand values between lanes by shuffles only: shared memory

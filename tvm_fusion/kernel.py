@@ -45,7 +45,7 @@ class Kernel:
         # (name, shape, dtype) of every parameter, inputs first then outputs: read
         # from the TIR once, not per call.
         self.params = [(p.name, tuple(int(d) for d in p.shape), str(p.dtype)) for p in self.mod["main"].params]
-        self.num_inputs = 1 if self.problem.op == "bn_stats" else 3 if self.problem.has_weight else 2
+        self.num_inputs = self.problem.num_inputs
         self.outputs = self.params[self.num_inputs :]
 
     def __call__(self, *tensors: Any) -> None:

@@ -10,7 +10,7 @@ from tvm import s_tir
 
 from tvm_fusion.contracts.common import DTYPE_BYTES
 
-from ..common import outputs_to, single_thread
+from ..common import lanes_split, outputs_to, single_thread, stage_in_registers
 
 MAX_THREADS = 1024
 WARP = 32
@@ -76,3 +76,79 @@ def schedule_ce_batch_stage(sch: s_tir.Schedule, reduction: str, threads: int = 
         epilogue = sch.get_sblock(name)
         sch.reverse_compute_at(epilogue, unit)
         single_thread(sch, epilogue, threads)
+
+
+# -- the cross entropy gradient ---------------------------------------------------
+def one_block_reduce(
+    sch: s_tir.Schedule, name: str, threads: int = MAX_THREADS, epilogues: tuple[str, ...] = ()
+) -> None:
+    """A reduction to one value in one block: each thread strides over the reduced
+    axis, then the cross-thread step (shuffles within warps, shared memory across).
+    With ``epilogues`` the result stays in shared memory and thread 0 runs each
+    epilogue (the copies into the function's outputs)."""
+    block = sch.get_sblock(name)
+    unit, reduced = sch.get_loops(block)
+    sch.bind(unit, "blockIdx.x")
+    serial, lane = sch.split(reduced, [None, threads])
+    sch.reorder(lane, serial)
+    sch.bind(lane, "threadIdx.x")
+    if not epilogues:
+        return
+    outputs_to(sch, block, "shared")
+    for epilogue_name in epilogues:
+        epilogue = sch.get_sblock(epilogue_name)
+        sch.reverse_compute_at(epilogue, unit)
+        single_thread(sch, epilogue, threads)
+
+
+def schedule_grad_prologue(sch: s_tir.Schedule, problem) -> None:
+    """The gradient's first kernels, one block each, before any row: the pass over the
+    targets (fused: the first bad row, and for the mean its denominator; from_lse: the
+    mean's denominator) and, from_lse with weight and smoothing, the weights' sum."""
+    if problem.mode == "fused" and problem.reduction == "mean":
+        one_block_reduce(sch, "target_stats", epilogues=("first_bad_row", "denom"))
+    elif problem.mode == "fused":
+        one_block_reduce(sch, "first_bad_row")
+    elif problem.reduction == "mean":
+        one_block_reduce(sch, "denom")
+    if problem.mode == "from_lse" and problem.has_weight and problem.label_smoothing > 0.0:
+        one_block_reduce(sch, "weight_total")
+
+
+def schedule_grad_batch_stage(sch: s_tir.Schedule, problem) -> None:
+    """The fused gradient's last kernel: one block sums the row losses, thread 0
+    writes ``loss`` (over the denominator for the mean). Nothing for "none"."""
+    if problem.mode == "fused" and problem.reduction != "none":
+        one_block_reduce(sch, "batch", epilogues=("loss",))
+
+
+def grad_map(
+    sch: s_tir.Schedule, keep_outer: int, threads, vector, unroll_step, thread_axis: str = "threadIdx.x"
+) -> None:
+    """``dlogits`` over the row laid out ``[threadIdx, serial, vector]`` (consecutive
+    lanes, consecutive vectors): per step a lane loads ``vector`` logits with one
+    load into registers, computes the gradient there in float32 and stores the
+    ``vector`` results with one store (16 bytes each way when ``vector * bytes ==
+    16``). The per-row coefficients must already be at the row, in registers."""
+    block = sch.get_sblock("dlogits")
+    _, serial, vec = lanes_split(sch, block, keep_outer, threads, vector, unroll_step, thread_axis)
+    sch.unroll(vec)
+    stage_in_registers(sch, block, "logits", serial)
+    store = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(store, serial, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(store)[-1])
+
+
+def row_order(loss: str, statistics: tuple[str, ...] = ("row_max", "row_sumexp")) -> list[str]:
+    """The fused gradient's per-row blocks in the order a row kernel runs them: the
+    statistics, the coefficients and ``dlogits``, then ``lse`` and the row loss.
+
+    The statistics' last readers must be ``lse`` and the row loss (thread 0, stores to
+    global memory). A multi-warp allreduce leaves its result in a shared buffer that
+    every thread reads (``red_result``); StorageRewrite runs before that lowering and
+    gives a one-float register born where the statistic dies to the statistic's own
+    buffer, in place. Were a coefficient the last reader, every thread would store
+    its coefficient into the shared result while others still read the statistic
+    there (a race seen in the generated code: ``grad_a`` written over the row's sum
+    of exponentials)."""
+    return list(statistics) + ["dlogits", "lse", loss]

@@ -6,22 +6,40 @@ import json
 
 from tvm import te, tirx
 
-from ..contracts import BNStatsProblem, CrossEntropyProblem, Problem
+from ..contracts import BNStatsProblem, CrossEntropyGradProblem, CrossEntropyProblem, Problem
 from .bn_stats import ALGORITHMS as BN_ALGORITHMS
 from .bn_stats import bn_stats_te
 from .cross_entropy import ALGORITHMS as CE_ALGORITHMS
 from .cross_entropy import cross_entropy_te
+from .cross_entropy_grad import ALGORITHMS as CE_GRAD_ALGORITHMS
+from .cross_entropy_grad import DEFAULT_FOR_MODE, MODE_OF, cross_entropy_grad_te
 
-ALGORITHMS = {"bn_stats": BN_ALGORITHMS, "cross_entropy": CE_ALGORITHMS}
-DEFAULT_ALGORITHM = {"bn_stats": "shifted", "cross_entropy": "three_pass"}
+ALGORITHMS = {"bn_stats": BN_ALGORITHMS, "cross_entropy": CE_ALGORITHMS, "cross_entropy_grad": CE_GRAD_ALGORITHMS}
+# cross_entropy_grad's default depends on the problem's mode: see default_algorithm.
+DEFAULT_ALGORITHM = {"bn_stats": "shifted", "cross_entropy": "three_pass", "cross_entropy_grad": "fused"}
+
+
+def default_algorithm(problem: Problem) -> str:
+    if isinstance(problem, CrossEntropyGradProblem):
+        return DEFAULT_FOR_MODE[problem.mode]
+    return DEFAULT_ALGORITHM[problem.op]
+
+
+def algorithms_for(problem: Problem) -> tuple[str, ...]:
+    """The decompositions that compute ``problem`` (a gradient's: those of its mode)."""
+    if isinstance(problem, CrossEntropyGradProblem):
+        return tuple(a for a in CE_GRAD_ALGORITHMS if MODE_OF[a] == problem.mode)
+    return ALGORITHMS[problem.op]
 
 
 def te_tensors(problem: Problem, algorithm: str | None = None) -> list[te.Tensor]:
-    algorithm = algorithm or DEFAULT_ALGORITHM[problem.op]
+    algorithm = algorithm or default_algorithm(problem)
     if isinstance(problem, BNStatsProblem):
         return bn_stats_te(problem, algorithm)
     if isinstance(problem, CrossEntropyProblem):
         return cross_entropy_te(problem, algorithm)
+    if isinstance(problem, CrossEntropyGradProblem):
+        return cross_entropy_grad_te(problem, algorithm)
     raise TypeError(f"no compute for {problem!r}")
 
 
@@ -31,7 +49,7 @@ def prim_func(problem: Problem, algorithm: str | None = None) -> tirx.PrimFunc:
     The attributes ``tvm_fusion.problem`` (JSON) and ``tvm_fusion.algorithm`` let a
     schedule candidate, or MetaSchedule replaying one, see the shape it is for.
     """
-    algorithm = algorithm or DEFAULT_ALGORITHM[problem.op]
+    algorithm = algorithm or default_algorithm(problem)
     func = te.create_prim_func(te_tensors(problem, algorithm))
     return func.with_attrs(
         {
@@ -58,6 +76,8 @@ def problem_from_json(text: str) -> Problem:
         fields["shape"] = tuple(fields["shape"])
         fields["input_shape"] = tuple(fields["input_shape"])
         return BNStatsProblem(**fields)
+    if op == "cross_entropy_grad":
+        return CrossEntropyGradProblem(**fields)
     return CrossEntropyProblem(**fields)
 
 
@@ -69,4 +89,7 @@ def algorithm_of(func: tirx.PrimFunc) -> str:
     return str(func.attrs["tvm_fusion.algorithm"])
 
 
-__all__ = ["ALGORITHMS", "DEFAULT_ALGORITHM", "prim_func", "problem_of", "algorithm_of", "te_tensors"]
+__all__ = [
+    "ALGORITHMS", "DEFAULT_ALGORITHM", "algorithm_of", "algorithms_for", "default_algorithm", "prim_func",
+    "problem_of", "te_tensors",
+]

@@ -26,6 +26,11 @@ so a bad target is flagged, never read out of bounds.
 
 The PrimFunc's parameters are ``logits, target[, weight]`` then, for reduction="none",
 ``loss (B,), first_bad_row (1,)``; otherwise ``row_loss (B,), loss (1,), first_bad_row (1,)``.
+
+The steps are module functions (``row_statistics``, ``target_checks``, ``row_loss_value``,
+``bad_row_value``, ``row_weight_value``) that the gradient (``compute.cross_entropy_grad``)
+builds from too; the forward's PrimFuncs are structurally what they were before that
+split, so tuning records keep matching.
 """
 
 from __future__ import annotations
@@ -49,22 +54,24 @@ from .primitives import (
 ALGORITHMS = ("three_pass", "online", "three_pass_poly_exp")
 
 
-def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass") -> list[te.Tensor]:
-    """TE tensors, parameters first then outputs, for ``problem`` under ``algorithm``."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(
-            f"cross_entropy: algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
-        )
-    idx = index_dtype(problem.numel)
+def placeholders(problem, idx: str) -> tuple[te.Tensor, te.Tensor, te.Tensor | None]:
+    """``logits`` (B, V), ``target`` (B,) and, with a weight, ``weight`` (V,) float32."""
     batch, classes = dims(problem.shape, idx)
-    rows = [batch]
-    eps = problem.label_smoothing
-    smoothing = eps > 0.0
-    weighted = problem.has_weight
-
     logits = te.placeholder((batch, classes), problem.dtype, name="logits")
     target = te.placeholder((batch,), problem.target_dtype, name="target")
-    weight = te.placeholder((classes,), "float32", name="weight") if weighted else None
+    weight = te.placeholder((classes,), "float32", name="weight") if problem.has_weight else None
+    return logits, target, weight
+
+
+def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorithm: str, idx: str) -> tuple:
+    """Steps 1-2 (or the online 1-3) of ``algorithm``: ``(row_max, row_sumexp, extra)``,
+    ``extra`` the smoothing sums ``[sum_k w_k x_ik, sum_k w_k]`` (``[sum_k x_ik]``
+    without weight; ``[]`` without smoothing). ``problem`` is a cross entropy problem
+    or its gradient's (the fields read are the same)."""
+    batch, classes = dims(problem.shape, idx)
+    rows = [batch]
+    smoothing = problem.label_smoothing > 0.0
+    weighted = problem.has_weight
 
     def x(i, k):
         return widen(logits[i, k], problem.dtype)
@@ -139,7 +146,13 @@ def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass"
         stats = te.compute(rows, online_body, name="row_online")
         row_sumexp, row_max, extra = stats[0], stats[1], list(stats[2:])
 
-    # 3. Scalar transform per row.
+    return row_max, row_sumexp, extra
+
+
+def target_checks(problem, target: te.Tensor):
+    """``valid_and_in_range(i) -> (t, valid, in_range)``: the row's target, whether it
+    is not ignore_index (None when ignore_index cannot occur in the target dtype) and
+    whether it lies in [0, V)."""
     ignore = problem.ignore_index
     target_limits = {"int32": (-(2**31), 2**31 - 1), "int64": (-(2**63), 2**63 - 1)}
     lo, hi = target_limits[problem.target_dtype]
@@ -151,23 +164,72 @@ def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass"
         in_range = tirx.all(t >= tirx.const(0, t.dtype), t < tirx.const(problem.classes, t.dtype))
         return t, valid, in_range
 
-    def guarded(ok, value):
-        # if_then_else, not Select: Select may evaluate both sides, and the
-        # simplifier drops a clamp inside it, so a bad target would be read.
-        return tirx.if_then_else(ok, value, tirx.const(0.0, "float32"))
+    return valid_and_in_range
 
+
+def guarded(ok, value):
+    # if_then_else, not Select: Select may evaluate both sides, and the
+    # simplifier drops a clamp inside it, so a bad target would be read.
+    return tirx.if_then_else(ok, value, tirx.const(0.0, "float32"))
+
+
+def row_ok(valid, in_range):
+    """A row counts: its target is in range and (when it can occur) not ignore_index."""
+    return in_range if valid is None else tirx.all(valid, in_range)
+
+
+def row_loss_value(problem, x, weight, valid_and_in_range, extra, i, lse, idx: str):
+    """Step 3: ``loss_i`` from the row's lse, 0 on a row that does not count."""
+    eps = problem.label_smoothing
+    t, valid, in_range = valid_and_in_range(i)
+    ok = row_ok(valid, in_range)
+    tc = t.astype(idx)
+    w_t = weight[tc] if problem.has_weight else tirx.const(1.0, "float32")
+    loss = w_t * (lse - x(i, tc))
+    if eps > 0.0:
+        total_weight = extra[1][i] if problem.has_weight else tirx.const(float(problem.classes), "float32")
+        smooth = total_weight * lse - extra[0][i]
+        loss = (1.0 - eps) * loss + (eps / problem.classes) * smooth
+    return guarded(ok, loss)
+
+
+def bad_row_value(problem, valid_and_in_range, i):
+    """``i`` where row i's target is out of range and not ignored, else B (for a min)."""
+    t, valid, in_range = valid_and_in_range(i)
+    bad = tirx.Not(in_range) if valid is None else tirx.all(valid, tirx.Not(in_range))
+    return tirx.Select(bad, i.astype("int32"), tirx.const(problem.batch, "int32"))
+
+
+def row_weight_value(problem, weight, valid_and_in_range, i, idx: str):
+    """``w[t_i]`` (1 without weight) on a row that counts, else 0: the mean's share."""
+    t, valid, in_range = valid_and_in_range(i)
+    w_t = weight[t.astype(idx)] if problem.has_weight else tirx.const(1.0, "float32")
+    return guarded(row_ok(valid, in_range), w_t)
+
+
+def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass") -> list[te.Tensor]:
+    """TE tensors, parameters first then outputs, for ``problem`` under ``algorithm``."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(
+            f"cross_entropy: algorithm must be one of {ALGORITHMS}, got {algorithm!r}"
+        )
+    idx = index_dtype(problem.numel)
+    batch, _ = dims(problem.shape, idx)
+    rows = [batch]
+    weighted = problem.has_weight
+
+    logits, target, weight = placeholders(problem, idx)
+
+    def x(i, k):
+        return widen(logits[i, k], problem.dtype)
+
+    row_max, row_sumexp, extra = row_statistics(problem, logits, weight, algorithm, idx)
+    valid_and_in_range = target_checks(problem, target)
+
+    # 3. Scalar transform per row.
     def row_loss_body(i):
-        t, valid, in_range = valid_and_in_range(i)
-        ok = in_range if valid is None else tirx.all(valid, in_range)
-        tc = t.astype(idx)
         lse = logsumexp(row_max[i], row_sumexp[i])
-        w_t = weight[tc] if weighted else tirx.const(1.0, "float32")
-        loss = w_t * (lse - x(i, tc))
-        if smoothing:
-            total_weight = extra[1][i] if weighted else tirx.const(float(problem.classes), "float32")
-            smooth = total_weight * lse - extra[0][i]
-            loss = (1.0 - eps) * loss + (eps / problem.classes) * smooth
-        return guarded(ok, loss)
+        return row_loss_value(problem, x, weight, valid_and_in_range, extra, i, lse, idx)
 
     row_loss = te.compute(rows, row_loss_body, name="loss" if problem.reduction == "none" else "row_loss")
 
@@ -175,9 +237,7 @@ def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass"
     i = te.reduce_axis((tirx.IntImm(idx, 0), batch), name="i")
 
     def bad_row(i):
-        t, valid, in_range = valid_and_in_range(i)
-        bad = tirx.Not(in_range) if valid is None else tirx.all(valid, tirx.Not(in_range))
-        return tirx.Select(bad, i.astype("int32"), tirx.const(problem.batch, "int32"))
+        return bad_row_value(problem, valid_and_in_range, i)
 
     scalar = [tirx.IntImm(idx, 1)]
     if problem.reduction == "none":
@@ -188,10 +248,7 @@ def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass"
         return params + [row_loss, first_bad]
 
     def weight_of_row(i):
-        t, valid, in_range = valid_and_in_range(i)
-        ok = in_range if valid is None else tirx.all(valid, in_range)
-        w_t = weight[t.astype(idx)] if weighted else tirx.const(1.0, "float32")
-        return guarded(ok, w_t)
+        return row_weight_value(problem, weight, valid_and_in_range, i, idx)
 
     total, denom, first_bad_acc = te.compute(
         scalar,

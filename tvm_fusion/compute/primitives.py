@@ -110,9 +110,11 @@ def online_logsumexp(extra_sums: int = 0) -> te.CommReducer:
         return (s, m) + tuple(a + b for a, b in zip(lhs[2:], rhs[2:]))
 
     def identity(*dtypes):
-        return (tirx.const(0, dtypes[0]), tirx.const(F32_LOWEST, dtypes[1])) + tuple(
-            tirx.const(0, d) for d in dtypes[2:]
-        )
+        # TensorIR asks every registered reducer of the arity for its identity while
+        # matching a combiner, with that combiner's dtypes: (float32, int32) for the
+        # gradient's (sum, min) over the targets. Give a valid constant for any dtype.
+        lowest = tirx.const(F32_LOWEST, dtypes[1]) if "float" in dtypes[1] else tirx.min_value(dtypes[1])
+        return (tirx.const(0, dtypes[0]), lowest) + tuple(tirx.const(0, d) for d in dtypes[2:])
 
     if ("online", extra_sums) not in _REGISTERED:
         _REGISTERED.add(("online", extra_sums))

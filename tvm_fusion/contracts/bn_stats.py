@@ -57,6 +57,11 @@ class BNStatsProblem:
         return numel(self.shape)
 
     @property
+    def num_inputs(self) -> int:
+        """Parameters of the PrimFunc before its outputs: x."""
+        return 1
+
+    @property
     def bytes_moved(self) -> int:
         """Fewest bytes a kernel must move: the input once, two float32 vectors out."""
         return self.numel * DTYPE_BYTES[self.dtype] + 2 * 4 * self.channels

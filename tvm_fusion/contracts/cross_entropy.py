@@ -74,6 +74,11 @@ class CrossEntropyProblem:
         return self.batch * self.classes
 
     @property
+    def num_inputs(self) -> int:
+        """Parameters of the PrimFunc before its outputs: logits, target[, weight]."""
+        return 3 if self.has_weight else 2
+
+    @property
     def bytes_moved(self) -> int:
         """Fewest bytes a kernel must move: logits and targets once, the loss out."""
         out = 4 * (self.batch if self.reduction == "none" else 1)
@@ -125,43 +130,63 @@ def cross_entropy_problem(
     label_smoothing: float = 0.0,
 ) -> CrossEntropyProblem:
     """Check the arguments of cross_entropy and return the problem they describe."""
-    shape = check_shape(OP, "logits.shape", logits_shape)
+    return CrossEntropyProblem(*check_arguments(
+        OP, logits_shape, logits_dtype, target_shape, target_dtype, weight_shape, weight_dtype,
+        ignore_index, reduction, label_smoothing,
+    ))
+
+
+def check_arguments(
+    op: str,
+    logits_shape: object,
+    logits_dtype: str,
+    target_shape: object | None,
+    target_dtype: str,
+    weight_shape: object | None,
+    weight_dtype: str,
+    ignore_index: int,
+    reduction: str,
+    label_smoothing: float,
+) -> tuple:
+    """The checks cross_entropy and its gradient share, messages prefixed by ``op``.
+
+    Returns ``(batch, classes, dtype, target_dtype, has_weight, ignore_index,
+    reduction, label_smoothing)``, the fields both problems start with."""
+    shape = check_shape(op, "logits.shape", logits_shape)
     if len(shape) != 2:
-        raise ValueError(f"{OP}: logits must have rank 2 (B, V), got shape {shape}")
+        raise ValueError(f"{op}: logits must have rank 2 (B, V), got shape {shape}")
     batch, classes = shape
     if classes == 0:
-        raise ValueError(f"{OP}: logits must have at least one class (V > 0), got shape {shape}")
-    check_dtype(OP, "logits", logits_dtype, FLOAT_DTYPES)
+        raise ValueError(f"{op}: logits must have at least one class (V > 0), got shape {shape}")
+    check_dtype(op, "logits", logits_dtype, FLOAT_DTYPES)
     if target_shape is not None:
-        tshape = check_shape(OP, "target.shape", target_shape)
+        tshape = check_shape(op, "target.shape", target_shape)
         if tshape != (batch,):
             raise ValueError(
-                f"{OP}: target.shape must be (B,) = ({batch},) to match logits {shape}, got {tshape}"
+                f"{op}: target.shape must be (B,) = ({batch},) to match logits {shape}, got {tshape}"
             )
     if target_dtype not in INDEX_DTYPES:
         raise TypeError(
-            f"{OP}: target must hold integer class indices (int32 or int64), got {target_dtype}"
+            f"{op}: target must hold integer class indices (int32 or int64), got {target_dtype}"
         )
     has_weight = weight_shape is not None
     if has_weight:
-        wshape = check_shape(OP, "weight.shape", weight_shape)
+        wshape = check_shape(op, "weight.shape", weight_shape)
         if wshape != (classes,):
             raise ValueError(
-                f"{OP}: weight.shape must be (V,) = ({classes},) to match logits {shape}, "
+                f"{op}: weight.shape must be (V,) = ({classes},) to match logits {shape}, "
                 f"got {wshape}"
             )
-        check_dtype(OP, "weight", weight_dtype, FLOAT_DTYPES)
-    ignore_index = check_int(OP, "ignore_index", ignore_index)
-    check_choice(OP, "reduction", reduction, REDUCTIONS)
+        check_dtype(op, "weight", weight_dtype, FLOAT_DTYPES)
+    ignore_index = check_int(op, "ignore_index", ignore_index)
+    check_choice(op, "reduction", reduction, REDUCTIONS)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
-        raise TypeError(f"{OP}: label_smoothing must be a float, got {label_smoothing!r}")
+        raise TypeError(f"{op}: label_smoothing must be a float, got {label_smoothing!r}")
     label_smoothing = float(label_smoothing)
     if not (0.0 <= label_smoothing <= 1.0) or math.isnan(label_smoothing):
-        raise ValueError(f"{OP}: label_smoothing must be in [0, 1], got {label_smoothing}")
-    return CrossEntropyProblem(
-        batch, classes, logits_dtype, target_dtype, has_weight, ignore_index, reduction,
-        label_smoothing,
-    )
+        raise ValueError(f"{op}: label_smoothing must be in [0, 1], got {label_smoothing}")
+    return (batch, classes, logits_dtype, target_dtype, has_weight, ignore_index, reduction,
+            label_smoothing)
 
 
 def first_bad_row(target: np.ndarray, classes: int, ignore_index: int) -> int | None:

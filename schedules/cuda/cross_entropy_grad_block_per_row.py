@@ -1,0 +1,101 @@
+"""Cross entropy and its gradient, one thread block per row, in one row kernel.
+
+Pattern ``t(R) -> denom, first_bad | x(SR) -> max(S) -> exp, sum(S) -> lse, row_loss,
+coef(S) -> dlogits(SS) | row_loss(R) -> loss``, the ``fused`` decomposition (the
+gradient for ``dloss = 1`` written during the forward, as Liger's kernel does). For
+rows long enough to keep a block busy (V / vector >= threads), e.g. V = 32000 and up.
+
+Kernel 1, one block: the targets pass (the first bad target; for the mean its
+denominator), each thread striding over rows, then shuffles.
+Kernel 2, grid (B,):
+1. Every per-row block shares one row loop (``merge_rows``) bound to ``blockIdx.x``.
+2. ``row_max`` then ``row_sumexp``, each split ``[threadIdx.x, serial, vector]``:
+   lanes read consecutive 16-byte vectors through registers, accumulate in float32,
+   and TVM lowers the cross-thread step to ``__shfl_down_sync`` plus one shared-memory
+   hop. Both statistics stay in every thread's registers (the allreduce hands them
+   to all).
+3. Every thread computes the row's gradient coefficients into its own registers (a
+   handful of flops, no barrier); thread 0 writes ``lse`` and the row loss after
+   step 4, so that they are the statistics' last readers (``row_order``).
+4. ``dlogits``: the third pass over the row, the same split, a 16-byte load, the
+   gradient in float32 in registers and a 16-byte store per step.
+Kernel 3, one block: the sum of the row losses (mean, sum) and ``loss``.
+
+Not used: the row statistics in shared memory (written by one lane and read by the
+others it raced; in multi-warp blocks TVM's ThreadSync put a ``__syncthreads``
+under the tail guard and the GPU hung: the forward candidates' lesson); the mean's
+denominator on the host (a sync per step and no graph capture) or applied by a
+second pass over ``dlogits`` (two more passes over B x V).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from tvm_fusion.contracts import CrossEntropyGradProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, Knobs, ladder, register
+
+from ..common import coefficients_at, merge_rows, outputs_to, single_thread, thread_reduce
+from .common import row_order
+from .common import (
+    MAX_THREADS, THREADS_BY_VECTORS, grad_map, schedule_grad_batch_stage, schedule_grad_prologue,
+    spans_two_vectors, vector_choices, widest_vector,
+)
+
+
+@dataclass(frozen=True)
+class GradBlockPerRowKnobs(Knobs):
+    threads: int = 256
+    vector: int = 8
+    unroll: int = 16
+
+
+@register
+class CrossEntropyGradBlockPerRow(Candidate):
+    name = "cross_entropy_grad_block_per_row"
+    op = "cross_entropy_grad"
+    target_kind = "cuda"
+    algorithm = "fused"
+    knobs = GradBlockPerRowKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyGradProblem) -> bool:
+        return (problem.op == self.op and problem.mode == "fused"
+                and spans_two_vectors(problem.classes, problem.dtype))
+
+    def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
+        return {
+            "threads": [64, 128, 256, 512, 1024],
+            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.classes),
+            "unroll": [1, 4, 16, 64],
+        }
+
+    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradBlockPerRowKnobs:
+        vector = widest_vector(problem.dtype, problem.classes)
+        threads = ladder(problem.classes // vector, THREADS_BY_VECTORS, MAX_THREADS)
+        return GradBlockPerRowKnobs(threads=threads, vector=vector, unroll=16)
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        # Kernel 1: the targets pass.
+        schedule_grad_prologue(sch, problem)
+        # 1. One row loop, one block per row (the coefficients at dlogits' row first).
+        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
+        coefficients_at(sch, problem, dlogits_row, "local")
+        loss = "loss" if problem.reduction == "none" else "row_loss"
+        row = merge_rows(sch, row_order(loss))
+        sch.bind(row, "blockIdx.x")
+        # 2. Both statistics across the block, kept in registers.
+        for name in ("row_max", "row_sumexp"):
+            block = sch.get_sblock(name)
+            thread_reduce(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll, "logits")
+            outputs_to(sch, block, "local")
+        # 4. The gradient over the row.
+        grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll)
+        # 3. lse and the row loss on thread 0 (after the map: row_order says why).
+        for name in ("lse", loss):
+            single_thread(sch, sch.get_sblock(name), knobs.threads)
+        # Kernel 3: the loss.
+        schedule_grad_batch_stage(sch, problem)

@@ -1,0 +1,122 @@
+"""Cross entropy and its gradient, one thread block per row, online statistics.
+
+Pattern ``t(R) -> denom, first_bad | x(SRR) -> chunk (max, sumexp)(SS) -> (max,
+sumexp)(S) -> lse, row_loss, coef(S) -> dlogits(SS) | row_loss(R) -> loss``, the
+``fused_online`` decomposition: the row's statistics in one pass over 16-byte chunks
+(the forward's ``online``), then the gradient pass: two reads of the row, the first
+from HBM, instead of three. For long rows (V = 32000 and up) whose second read hits
+L2 while the third would not.
+
+Kernel 1, one block: the targets pass (the first bad target; for the mean its
+denominator).
+Kernel 2, grid (B,):
+1. Every per-row block shares one row loop (``merge_rows``) bound to ``blockIdx.x``.
+2. ``row_online`` walks the row's chunks split ``[threadIdx.x, serial]``; per chunk
+   the logits come in with one 16-byte load, ``chunk_max`` / ``chunk_sumexp`` run in
+   registers and fold into the lane's running (max, sum) with one rescale; lanes
+   combine their pairs by the same rule through ``__shfl_down_sync`` and one
+   shared-memory hop. The statistics stay in every thread's registers.
+3. Every thread computes the row's gradient coefficients in registers; thread 0
+   writes ``lse`` and the row loss after step 4 (``row_order``).
+4. ``dlogits``: the second pass, ``[threadIdx.x, serial, vector]``, a 16-byte load,
+   the gradient in float32 in registers and a 16-byte store per step.
+Kernel 3, one block: the sum of the row losses (mean, sum) and ``loss``.
+
+Exp count: 1 + 2/8 per element for the statistics (16-bit inputs), 1 for the map.
+
+Not used: the per-element online combine (two exp per element, MUFU-bound); the
+running statistics in shared memory (the forward's ``cross_entropy_online`` keeps
+them there for thread 0 alone; here every thread reads them, which is the race the
+GPU sweep found in the warp and block candidates).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from tvm_fusion.contracts import CrossEntropyGradProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, Knobs, ladder, register
+from tvm_fusion.targets import sm_count
+
+from ..common import coefficients_at, merge_rows, outputs_to, read_index, single_thread, unroll
+from .common import (
+    MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, grad_map, row_order, schedule_grad_batch_stage,
+    schedule_grad_prologue, vector_choices, widest_vector,
+)
+
+ONLINE_ROW_BYTES = 8192
+
+
+@dataclass(frozen=True)
+class GradOnlineKnobs(Knobs):
+    threads: int = 256
+    vector: int = 8  # of the gradient pass (the statistics read 16-byte chunks)
+    unroll: int = 16
+
+
+@register
+class CrossEntropyGradOnline(Candidate):
+    name = "cross_entropy_grad_online"
+    op = "cross_entropy_grad"
+    target_kind = "cuda"
+    algorithm = "fused_online"
+    knobs = GradOnlineKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyGradProblem) -> bool:
+        return problem.op == self.op and problem.mode == "fused"
+
+    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
+        # The forward's threshold (cross_entropy_online): one HBM read of the row for
+        # the statistics pays once rows are long and fill the GPU. Not measured for
+        # the gradient yet.
+        return (problem.classes * DTYPE_BYTES[problem.dtype] >= ONLINE_ROW_BYTES
+                and problem.batch >= 2 * sm_count(target))
+
+    def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
+        return {
+            "threads": [128, 256, 512, 1024],
+            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.classes),
+            "unroll": [1, 4, 16],
+        }
+
+    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradOnlineKnobs:
+        chunk = VECTOR_BYTES // DTYPE_BYTES[problem.dtype]
+        threads = max(128, ladder(problem.classes // chunk, THREADS_BY_VECTORS, MAX_THREADS))
+        return GradOnlineKnobs(threads=threads, vector=widest_vector(problem.dtype, problem.classes), unroll=16)
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        # Kernel 1: the targets pass.
+        schedule_grad_prologue(sch, problem)
+        # 1. One row loop, one block per row.
+        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
+        coefficients_at(sch, problem, dlogits_row, "local")
+        loss = "loss" if problem.reduction == "none" else "row_loss"
+        row = merge_rows(sch, row_order(loss, ("row_online",)))
+        sch.bind(row, "blockIdx.x")
+        # 2. Chunks across the lanes; each chunk reduced in registers.
+        online = sch.get_sblock("row_online")
+        chunks = sch.get_loops(online)[-1]
+        serial, lane = sch.split(chunks, [None, knobs.threads])
+        sch.reorder(lane, serial)
+        sch.bind(lane, "threadIdx.x")
+        unroll(sch, serial, knobs.unroll)
+        outputs_to(sch, online, "local")
+        chunk_sum, chunk_max = sch.get_sblock("chunk_sumexp"), sch.get_sblock("chunk_max")
+        for block in (chunk_sum, chunk_max):
+            sch.compute_at(block, serial, preserve_unit_loops=True)
+            outputs_to(sch, block, "local")
+        stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, "logits"), "local",
+                               consumer_blocks=[chunk_max, chunk_sum])
+        sch.compute_at(stage, serial, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(stage)[-1])
+        # 4. The gradient over the row.
+        grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll)
+        # 3. lse and the row loss on thread 0.
+        for name in ("lse", loss):
+            single_thread(sch, sch.get_sblock(name), knobs.threads)
+        # Kernel 3: the loss.
+        schedule_grad_batch_stage(sch, problem)

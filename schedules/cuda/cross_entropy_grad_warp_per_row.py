@@ -1,0 +1,109 @@
+"""Cross entropy and its gradient, one warp per row, several rows per block (short rows).
+
+Pattern ``t(R) -> denom, first_bad | x(SR) -> max(S) -> exp, sum(S) -> lse, row_loss,
+coef(S) -> dlogits(SS) | row_loss(R) -> loss``, the ``fused`` decomposition (the
+gradient for ``dloss = 1`` written during the forward). For rows a warp sweeps in a
+few steps (V / vector <= 32 x 8, e.g. V = 1000), where a block per row would leave
+most lanes idle and pay a block-wide barrier per row.
+
+Kernel 1, one block: the targets pass (the first bad target; for the mean its
+denominator).
+Kernel 2, grid (B / rows,):
+1. Every per-row block shares one row loop (``merge_rows``), split ``[blockIdx.x,
+   threadIdx.y]``: ``rows`` warps per block, one row each.
+2. ``row_max`` then ``row_sumexp``, each split ``[threadIdx.x (32), serial, vector]``
+   and staged through registers with 16-byte loads; the cross-lane step is five
+   ``__shfl_down_sync`` and a broadcast shuffle: every lane holds the statistics in
+   registers, no shared memory and no block barrier. The second pass re-reads the
+   row from L1 (a row of 1000 halves is 2 KB).
+3. Each lane computes the row's gradient coefficients in its registers; lane 0 writes
+   ``lse`` and the row loss.
+4. ``dlogits``: the third pass over the row, the same split, a 16-byte load, the
+   gradient in float32 in registers, a 16-byte store.
+Kernel 3, one block: the sum of the row losses (mean, sum) and ``loss``.
+
+Not used: one thread per row (uncoalesced: lanes would stride by V); the statistics
+in shared memory (lane 0's store raced the other lanes' reads, no ``__syncwarp``
+between: the forward candidate's lesson from the GPU sweep).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from tvm_fusion.contracts import CrossEntropyGradProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, Knobs, register
+
+from ..common import coefficients_at, merge_rows, outputs_to, single_thread, thread_reduce
+from .common import (
+    WARP, grad_map, row_order, schedule_grad_batch_stage, schedule_grad_prologue, spans_two_vectors,
+    vector_choices, widest_vector,
+)
+
+MAX_VECTORS_PER_LANE = 16  # past 16 vectors per lane a row wants more than a warp
+
+
+@dataclass(frozen=True)
+class GradWarpPerRowKnobs(Knobs):
+    rows: int = 4  # warps (rows) per block
+    vector: int = 8
+    unroll: int = 16
+
+
+@register
+class CrossEntropyGradWarpPerRow(Candidate):
+    name = "cross_entropy_grad_warp_per_row"
+    op = "cross_entropy_grad"
+    target_kind = "cuda"
+    algorithm = "fused"
+    knobs = GradWarpPerRowKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyGradProblem) -> bool:
+        # One row of one vector leaves no loop for the syncs (spans_two_vectors);
+        # with two rows or more the row loop is there.
+        return (problem.op == self.op and problem.mode == "fused"
+                and problem.classes <= WARP * MAX_VECTORS_PER_LANE * 8
+                and (problem.batch > 1 or spans_two_vectors(problem.classes, problem.dtype)))
+
+    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
+        vector = widest_vector(problem.dtype, problem.classes)
+        return problem.classes // vector <= WARP * 8
+
+    def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
+        return {
+            "rows": [1, 2, 4, 8, 16],
+            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.classes),
+            "unroll": [1, 4, 16],
+        }
+
+    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradWarpPerRowKnobs:
+        vector = widest_vector(problem.dtype, problem.classes)
+        return GradWarpPerRowKnobs(rows=4, vector=vector, unroll=16)
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        # Kernel 1: the targets pass.
+        schedule_grad_prologue(sch, problem)
+        # 1. One row loop over (blockIdx.x, threadIdx.y).
+        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
+        coefficients_at(sch, problem, dlogits_row, "local")
+        loss = "loss" if problem.reduction == "none" else "row_loss"
+        row = merge_rows(sch, row_order(loss))
+        block_rows, warp_row = sch.split(row, [None, knobs.rows])
+        sch.bind(block_rows, "blockIdx.x")
+        sch.bind(warp_row, "threadIdx.y")
+        # 2. Both statistics across the 32 lanes of the row's warp, in registers.
+        for name in ("row_max", "row_sumexp"):
+            block = sch.get_sblock(name)
+            thread_reduce(sch, block, 2, WARP, knobs.vector, knobs.unroll, "logits")
+            outputs_to(sch, block, "local")
+        # 4. The gradient over the row.
+        grad_map(sch, 2, WARP, knobs.vector, knobs.unroll)
+        # 3. lse and the row loss on lane 0.
+        for name in ("lse", loss):
+            single_thread(sch, sch.get_sblock(name), WARP)
+        # Kernel 3: the loss.
+        schedule_grad_batch_stage(sch, problem)

@@ -1,0 +1,248 @@
+"""Algorithm level of the cross entropy gradient: row statistics, per-row coefficients, a map.
+
+``dlogits[i, v] = A_i e^(x_iv - c_i) - [v == t_i] B_i - C_i w_v`` (``contracts.
+cross_entropy_grad`` derives it), every term float32 until the store into the logits
+dtype, with per-row coefficients, one block each (``grad_shift``, ``grad_a``,
+``grad_b``, ``grad_c`` with smoothing only, ``grad_t``)::
+
+    c_i = row_max_i (fused) or lse_i (from_lse)          the exp's shift
+    A_i = s_i a_i / row_sumexp_i (fused) or s_i a_i      a_i = (1 - eps) w[t_i] + eps W / V
+    B_i = s_i (1 - eps) w[t_i]                           the target-class term
+    C_i = s_i eps / V                                    the smoothing term
+    t_i = the target as an index (-1 on a row that does not count)
+
+``s_i`` is the upstream gradient over the mean's denominator: ``dloss / denom`` for
+reduction="mean" (NaN where the denominator is 0, as torch), ``dloss`` for "sum",
+``dloss[i]`` for "none"; ``dloss = 1`` in the fused mode. A row that does not count
+(ignored, or a target out of range) gets ``B = C = 0`` and ``A = 0`` (fused: ``0 /
+row_sumexp``): its gradient is ``0 * e^(x - c)``, zero but NaN on the whole row where
+it holds NaN or +inf (or only -inf), as torch's; the row max alone would skip a NaN.
+At the target class ``A p - B`` is float32 (``s w_t (p - 1)`` without smoothing):
+in bf16, ``p - 1`` near p = 1 would keep no bit of ``1 - p``.
+
+Decompositions (``algorithm``), by mode:
+
+``fused``  ``t(R) -> denom, first_bad | x(SR) -> max(S) -> exp, sum(S) -> lse, row_loss,
+coef(S) -> dlogits(SS) | row_loss(R) -> loss``
+    0. ``target_stats`` over the targets first: the mean's ``denom = sum_i w[t_i]``
+       (valid rows) and ``first_bad_row``; the scale of every row needs the
+       denominator, so it is a first pass over B targets (B x 12 bytes, one small
+       kernel on the GPU) rather than over the logits;
+    1-2. ``row_max``, ``row_sumexp`` (+ smoothing sums) as the forward's ``three_pass``;
+    3. ``lse``, ``row_loss`` (the forward's step 3) and the coefficients;
+    4. ``dlogits``: the map over the row (a third read of the row, from cache);
+    5. ``batch``: the sum of the row losses, ``loss`` = it (sum) or it over the
+       denominator, summed again beside the losses (mean: the loss's epilogue then
+       reads only what the batch pass computed; B more values).
+``fused_online``  the same with the forward's ``online`` chunked statistics (1-2 in one
+    read of the row; ``dlogits`` is the second).
+``fused_poly_exp``  ``fused`` with the polynomial exp (LLVM vectorizes it).
+``from_lse``  ``t(R) -> denom | w(R) -> W | coef(S) -> dlogits(SS)``
+    0. ``denom`` (mean) over the targets and ``weight_total`` (W, with weight and
+       smoothing) over the weight, each a first small pass; 3. the coefficients;
+       4. ``dlogits``: one read of the logits, one write.
+``from_lse_poly_exp``  ``from_lse`` with the polynomial exp.
+
+Why the fused denominator is a pass over the targets: ``dlogits`` is linear in
+``1 / denom`` and is stored in the same pass that reads the row, and the denominator
+depends on every row's target. The alternatives each cost more: every row block
+summing the B targets itself (B^2 reads), storing ``dlogits`` unscaled and rescaling
+it (two more passes over B x V), or a host value (a device sync, no graph capture).
+
+PrimFunc parameters (inputs, then outputs):
+
+``fused``     ``logits, target[, weight]``, then, in the order they are computed (TE
+              lays the function's body out in the order of its outputs, and the row
+              kernel must come after the target pass and before the batch sum):
+              reduction="none": ``first_bad_row (1,) int32, lse (B,), loss (B,),
+              dlogits (B, V)``; "sum": ``first_bad_row, lse, row_loss (B,), dlogits,
+              loss (1,)``; "mean": ``first_bad_row, denom (1,), lse, row_loss,
+              dlogits, loss``.
+``from_lse``  ``logits, target[, weight], lse (B,) float32, dloss ((B,) for "none", else
+              (1,)) float32``, then ``[denom (1,)]`` (mean), ``[weight_total (1,)]``
+              (weight and smoothing), ``dlogits (B, V)``.
+
+``first_bad_row`` and the guard on the gather are the forward's: a bad target is
+flagged (fused) and its row's gradient is 0, never read out of bounds.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from ..contracts.cross_entropy_grad import CrossEntropyGradProblem
+from .cross_entropy import (
+    bad_row_value,
+    guarded,
+    placeholders,
+    row_loss_value,
+    row_ok,
+    row_statistics,
+    row_weight_value,
+    target_checks,
+)
+from .primitives import DUAL_SUM, dims, index_dtype, logsumexp, poly_exp, tuple_reducer, widen
+
+ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp")
+MODE_OF = {name: "from_lse" if name.startswith("from_lse") else "fused" for name in ALGORITHMS}
+DEFAULT_FOR_MODE = {"fused": "fused", "from_lse": "from_lse"}
+# The forward decomposition whose row statistics each fused decomposition reuses.
+STATISTICS = {"fused": "three_pass", "fused_online": "online", "fused_poly_exp": "three_pass_poly_exp"}
+
+TARGET_SUMS = tuple_reducer(("sum", "min"), name="target_sums")
+F32 = "float32"
+
+
+def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | None = None) -> list[te.Tensor]:
+    """TE tensors, parameters first then outputs, for ``problem`` under ``algorithm``
+    (by default the mode's: ``fused`` or ``from_lse``)."""
+    algorithm = algorithm or DEFAULT_FOR_MODE[problem.mode]
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"cross_entropy_grad: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    if MODE_OF[algorithm] != problem.mode:
+        raise ValueError(
+            f"cross_entropy_grad: algorithm {algorithm!r} computes mode {MODE_OF[algorithm]!r}, "
+            f"the problem asks for mode {problem.mode!r}"
+        )
+    fused = problem.mode == "fused"
+    idx = index_dtype(problem.numel)
+    batch, classes = dims(problem.shape, idx)
+    rows, scalar = [batch], [tirx.IntImm(idx, 1)]
+    eps = problem.label_smoothing
+    smoothing = eps > 0.0
+    weighted = problem.has_weight
+    reduction = problem.reduction
+    exp = poly_exp if algorithm.endswith("poly_exp") else te.exp
+
+    logits, target, weight = placeholders(problem, idx)
+    params = [logits, target] + ([weight] if weighted else [])
+    if not fused:
+        lse_in = te.placeholder(rows, F32, name="lse")
+        dloss = te.placeholder([batch] if reduction == "none" else scalar, F32, name="dloss")
+        params += [lse_in, dloss]
+
+    def x(i, k):
+        return widen(logits[i, k], problem.dtype)
+
+    checks = target_checks(problem, target)
+    i_all = te.reduce_axis((tirx.IntImm(idx, 0), batch), name="i")
+    i_loss = te.reduce_axis((tirx.IntImm(idx, 0), batch), name="i2")
+
+    # 0. Passes over the targets (and the weight) before any row.
+    denom = first_bad = weight_total = None
+    if fused and reduction == "mean":
+        denom_acc, first_bad_acc = te.compute(
+            scalar,
+            lambda _: TARGET_SUMS((row_weight_value(problem, weight, checks, i_all, idx),
+                                   bad_row_value(problem, checks, i_all)), axis=i_all),
+            name="target_stats",
+        )
+        denom = te.compute(scalar, lambda z: denom_acc[z], name="denom")
+        first_bad = te.compute(scalar, lambda z: first_bad_acc[z], name="first_bad_row")
+    elif fused:
+        first_bad = te.compute(
+            scalar, lambda _: te.min(bad_row_value(problem, checks, i_all), axis=i_all), name="first_bad_row"
+        )
+    elif reduction == "mean":
+        denom = te.compute(
+            scalar, lambda _: te.sum(row_weight_value(problem, weight, checks, i_all, idx), axis=i_all),
+            name="denom",
+        )
+    if not fused and weighted and smoothing:
+        c_all = te.reduce_axis((tirx.IntImm(idx, 0), classes), name="c")
+        weight_total = te.compute(scalar, lambda _: te.sum(weight[c_all], axis=c_all), name="weight_total")
+
+    # 1-3. Row statistics and the forward's per-row outputs (fused).
+    if fused:
+        row_max, row_sumexp, extra = row_statistics(problem, logits, weight, STATISTICS[algorithm], idx)
+        lse_out = te.compute(rows, lambda i: logsumexp(row_max[i], row_sumexp[i]), name="lse")
+        row_loss = te.compute(
+            rows,
+            lambda i: row_loss_value(problem, x, weight, checks, extra, i,
+                                     logsumexp(row_max[i], row_sumexp[i]), idx),
+            name="loss" if reduction == "none" else "row_loss",
+        )
+
+    zero = tirx.IntImm(idx, 0)
+
+    def scale(i):
+        """s_i: the upstream gradient over the mean's denominator."""
+        up = tirx.const(1.0, F32) if fused else dloss[i if reduction == "none" else zero]
+        if reduction != "mean":
+            return up
+        d = denom[zero]
+        return tirx.Select(d == tirx.const(0.0, F32), tirx.const(float("nan"), F32), up / d)
+
+    def coefficients(i):
+        """(ok, t as an index, w[t], s_i, a_i) of row i."""
+        t, valid, in_range = checks(i)
+        ok = row_ok(valid, in_range)
+        tc = t.astype(idx)
+        w_t = guarded(ok, weight[tc]) if weighted else tirx.const(1.0, F32)
+        a = (1.0 - eps) * w_t
+        if smoothing:
+            if weighted:
+                total_w = extra[1][i] if fused else weight_total[zero]
+            else:
+                total_w = tirx.const(float(problem.classes), F32)
+            a = a + (eps / problem.classes) * total_w
+        return ok, tc, w_t, scale(i), a
+
+    def coef_a(i):
+        ok, _, _, s, a = coefficients(i)
+        # Divided after the guard: a row that does not count gets 0 / sum, NaN when
+        # its sum is (a NaN or +inf logit, or only -inf), so its gradient is NaN
+        # everywhere as torch's ``0 * p``; the max alone skips a NaN.
+        return guarded(ok, s * a) / row_sumexp[i] if fused else guarded(ok, s * a)
+
+    def coef_b(i):
+        ok, _, w_t, s, _ = coefficients(i)
+        return guarded(ok, s * ((1.0 - eps) * w_t))
+
+    def coef_c(i):
+        ok, _, _, s, _ = coefficients(i)
+        return guarded(ok, s * (eps / problem.classes))
+
+    def coef_t(i):
+        ok, tc, _, _, _ = coefficients(i)
+        return tirx.Select(ok, tc, tirx.IntImm(idx, -1))
+
+    # One block per coefficient (a schedule puts each in registers at the row).
+    shift = te.compute(rows, lambda i: row_max[i] if fused else lse_in[i], name="grad_shift")
+    grad_a = te.compute(rows, coef_a, name="grad_a")
+    grad_b = te.compute(rows, coef_b, name="grad_b")
+    grad_c = te.compute(rows, coef_c, name="grad_c") if smoothing else None
+    grad_t = te.compute(rows, coef_t, name="grad_t")
+
+    # 4. The map over the row.
+    def grad_body(i, v):
+        g = grad_a[i] * exp(x(i, v) - shift[i])
+        g = g - tirx.Select(v == grad_t[i], grad_b[i], tirx.const(0.0, F32))
+        if smoothing:
+            g = g - grad_c[i] * (weight[v] if weighted else tirx.const(1.0, F32))
+        return g if problem.dtype == F32 else g.astype(problem.dtype)
+
+    dlogits = te.compute((batch, classes), grad_body, name="dlogits")
+
+    if not fused:
+        return params + [t for t in (denom, weight_total) if t is not None] + [dlogits]
+
+    # 5. Batch stage: the loss. Outputs in the order they are computed (the body's
+    # order follows the output list): targets, rows, then the batch.
+    if reduction == "none":
+        return params + [first_bad, lse_out, row_loss, dlogits]
+    if reduction == "mean":
+        # The denominator again beside the losses (B values): the epilogue may read
+        # only what its own kernel computed (a GPU schedule's one-block reduction).
+        total, batch_denom = te.compute(
+            scalar,
+            lambda _: DUAL_SUM((row_loss[i_loss], row_weight_value(problem, weight, checks, i_loss, idx)),
+                               axis=i_loss),
+            name="batch",
+        )
+        loss = te.compute(scalar, lambda z: total[z] / batch_denom[z], name="loss")
+    else:
+        total = te.compute(scalar, lambda _: te.sum(row_loss[i_loss], axis=i_loss), name="batch")
+        loss = te.compute(scalar, lambda z: total[z], name="loss")
+    head = [first_bad] + ([denom] if reduction == "mean" else [])
+    return params + head + [lse_out, row_loss, dlogits, loss]
