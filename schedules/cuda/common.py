@@ -62,23 +62,12 @@ def schedule_ce_batch_stage(sch: s_tir.Schedule, reduction: str, threads: int = 
     """Second kernel of cross entropy: one block sums the row losses and weights and
     finds the first bad target, each thread striding over rows, then a warp-shuffle
     reduction; thread 0 writes ``loss`` and ``first_bad_row``."""
-    stage = "first_bad_row" if reduction == "none" else "batch"
-    block = sch.get_sblock(stage)
-    unit, rows = sch.get_loops(block)
-    sch.bind(unit, "blockIdx.x")
-    serial, lane = sch.split(rows, [None, threads])
-    sch.reorder(lane, serial)
-    sch.bind(lane, "threadIdx.x")
     if reduction == "none":
-        return
-    outputs_to(sch, block, "shared")
-    for name in ("first_bad_row", "loss"):
-        epilogue = sch.get_sblock(name)
-        sch.reverse_compute_at(epilogue, unit)
-        single_thread(sch, epilogue, threads)
+        one_block_reduce(sch, "first_bad_row", threads)
+    else:
+        one_block_reduce(sch, "batch", threads, epilogues=("first_bad_row", "loss"))
 
 
-# -- the cross entropy gradient ---------------------------------------------------
 def one_block_reduce(
     sch: s_tir.Schedule, name: str, threads: int = MAX_THREADS, epilogues: tuple[str, ...] = ()
 ) -> None:
@@ -101,6 +90,7 @@ def one_block_reduce(
         single_thread(sch, epilogue, threads)
 
 
+# -- the cross entropy gradient ---------------------------------------------------
 def schedule_grad_prologue(sch: s_tir.Schedule, problem) -> None:
     """The gradient's first kernels, one block each, before any row: the pass over the
     targets (fused: the first bad row, and for the mean its denominator; from_lse: the
