@@ -112,3 +112,12 @@ def torch_or_none():
         return torch
     except ImportError:
         return None
+
+
+def default_and_sampled(cand, problem, target, count: int) -> list:
+    """The candidate's default knobs and ``count`` configurations of its space, drawn
+    with a seed of the candidate's name (the same draw on every run)."""
+    import random
+
+    configs = cand.all_configs(problem, target)
+    return [cand.default_for(problem, target)] + random.Random(cand.name).sample(configs, min(count, len(configs)))

@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import itertools
 import math
-import random
 import re
 
 import numpy as np
 import pytest
 import tvm
 
-from helpers import TOLERANCES, assert_close, has_gpu, np_dtype, random_floats, rng, run_poisoned, torch_or_none
+from helpers import TOLERANCES, assert_close, default_and_sampled, has_gpu, np_dtype, random_floats, rng, run_poisoned, torch_or_none
 from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
 from tvm_fusion import dispatch, registry, targets, tuner
 from tvm_fusion.codegen import cuda_report, nvcc_path
@@ -474,8 +473,7 @@ def sampled_cases():
     for (shape, dtype, options), mode in itertools.product(shapes, MODES):
         problem = cross_entropy_grad_problem(shape, dtype, mode=mode, **options)
         for cand in registry.applicable(problem, CUDA):
-            configs = cand.all_configs(problem, CUDA)
-            picks = [cand.default_for(problem, CUDA)] + random.Random(cand.name).sample(configs, min(6, len(configs)))
+            picks = default_and_sampled(cand, problem, CUDA, 6)
             yield pytest.param(problem, cand.name, picks, id=f"{cand.name}-{problem.key()}")
 
 

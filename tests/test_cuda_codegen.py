@@ -11,6 +11,7 @@ import pytest
 
 import tvm_fusion as tf
 from tvm_fusion import registry, targets
+from helpers import default_and_sampled
 from tvm_fusion.codegen import cuda_report, nvcc_path
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.kernel import build_kernel
@@ -183,8 +184,6 @@ def shared_stores_by_every_thread(source: str) -> list[str]:
 def knob_cases():
     """Every CUDA candidate over shapes whose tails leave threads idle, with its
     default and a few seeded configurations of its space."""
-    import random
-
     shapes = [("cross_entropy", (24, 724), "float32", {"weight": True, "reduction": "sum"}),
               ("cross_entropy", (3, 1000), "bfloat16", {"label_smoothing": 0.1}),
               ("cross_entropy", (5, 50257), "float16", {}),
@@ -193,8 +192,7 @@ def knob_cases():
     for op, shape, dtype, options in shapes:
         problem = tf.make_problem(op, shape, dtype, **options)
         for cand in registry.applicable(problem, CUDA):
-            configs = cand.all_configs(problem, CUDA)
-            picks = [cand.default_for(problem, CUDA)] + random.Random(cand.name).sample(configs, min(8, len(configs)))
+            picks = default_and_sampled(cand, problem, CUDA, 8)
             yield pytest.param(problem, cand.name, picks, id=f"{cand.name}-{problem.key()}")
 
 

@@ -30,27 +30,18 @@ second pass over ``dlogits`` (two more passes over B x V).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tvm.target import Target
 
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
-from tvm_fusion.registry import Candidate, Knobs, ladder, register
+from tvm_fusion.registry import Candidate, ladder, register
 
 from ..common import coefficients_at, merge_rows, outputs_to, single_thread, thread_reduce
-from .common import row_order
+from .cross_entropy_block_per_row import BlockPerRowKnobs
 from .common import (
-    MAX_THREADS, THREADS_BY_VECTORS, grad_map, schedule_grad_batch_stage, schedule_grad_prologue,
+    MAX_THREADS, row_order, THREADS_BY_VECTORS, grad_map, schedule_grad_batch_stage, schedule_grad_prologue,
     spans_two_vectors, vector_choices, widest_vector,
 )
-
-
-@dataclass(frozen=True)
-class GradBlockPerRowKnobs(Knobs):
-    threads: int = 256
-    vector: int = 8
-    unroll: int = 16
 
 
 @register
@@ -59,7 +50,7 @@ class CrossEntropyGradBlockPerRow(Candidate):
     op = "cross_entropy_grad"
     target_kind = "cuda"
     algorithm = "fused"
-    knobs = GradBlockPerRowKnobs
+    knobs = BlockPerRowKnobs  # the forward's knobs: the same launch shape
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
@@ -73,10 +64,10 @@ class CrossEntropyGradBlockPerRow(Candidate):
             "unroll": [1, 4, 16, 64],
         }
 
-    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradBlockPerRowKnobs:
+    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> BlockPerRowKnobs:
         vector = widest_vector(problem.dtype, problem.classes)
         threads = ladder(problem.classes // vector, THREADS_BY_VECTORS, MAX_THREADS)
-        return GradBlockPerRowKnobs(threads=threads, vector=vector, unroll=16)
+        return BlockPerRowKnobs(threads=threads, vector=vector, unroll=16)
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         # Kernel 1: the targets pass.

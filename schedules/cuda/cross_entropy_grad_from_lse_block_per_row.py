@@ -23,32 +23,24 @@ pass instead of three).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tvm.target import Target
 
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
-from tvm_fusion.registry import Candidate, Knobs, ladder, register
+from tvm_fusion.registry import register
 
 from ..common import coefficients_at
-from .common import MAX_THREADS, THREADS_BY_VECTORS, grad_map, schedule_grad_prologue, vector_choices, widest_vector
-
-
-@dataclass(frozen=True)
-class FromLseBlockPerRowKnobs(Knobs):
-    threads: int = 256
-    vector: int = 8
-    unroll: int = 16
+from .common import grad_map, schedule_grad_prologue, vector_choices
+from .cross_entropy_grad_block_per_row import CrossEntropyGradBlockPerRow
 
 
 @register
-class CrossEntropyGradFromLseBlockPerRow(Candidate):
+class CrossEntropyGradFromLseBlockPerRow(CrossEntropyGradBlockPerRow):
+    """Knobs and the default are the fused sibling's; the unroll space is shorter (one
+    pass over the row, no statistics to unroll)."""
+
     name = "cross_entropy_grad_from_lse_block_per_row"
-    op = "cross_entropy_grad"
-    target_kind = "cuda"
     algorithm = "from_lse"
-    knobs = FromLseBlockPerRowKnobs
     claims = {"shuffles": False, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
@@ -60,11 +52,6 @@ class CrossEntropyGradFromLseBlockPerRow(Candidate):
             "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.classes),
             "unroll": [1, 4, 16],
         }
-
-    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> FromLseBlockPerRowKnobs:
-        vector = widest_vector(problem.dtype, problem.classes)
-        threads = ladder(problem.classes // vector, THREADS_BY_VECTORS, MAX_THREADS)
-        return FromLseBlockPerRowKnobs(threads=threads, vector=vector, unroll=16)
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         # Kernels 1-2: the denominator, the weights' sum.

@@ -19,53 +19,26 @@ Not used: one thread per row (uncoalesced: lanes would stride by V).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from tvm.target import Target
-
 from tvm_fusion.contracts import CrossEntropyGradProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
-from tvm_fusion.registry import Candidate, Knobs, register
+from tvm_fusion.registry import register
 
 from ..common import coefficients_at
-from .common import WARP, grad_map, schedule_grad_prologue, vector_choices, widest_vector
-
-MAX_VECTORS_PER_LANE = 16  # past 16 vectors per lane a row wants more than a warp
-
-
-@dataclass(frozen=True)
-class FromLseWarpPerRowKnobs(Knobs):
-    rows: int = 4  # warps (rows) per block
-    vector: int = 8
-    unroll: int = 16
+from .common import WARP, grad_map, schedule_grad_prologue
+from .cross_entropy_grad_warp_per_row import CrossEntropyGradWarpPerRow
+from .cross_entropy_warp_per_row import MAX_VECTORS_PER_LANE
 
 
 @register
-class CrossEntropyGradFromLseWarpPerRow(Candidate):
+class CrossEntropyGradFromLseWarpPerRow(CrossEntropyGradWarpPerRow):
+    """Knobs, their space, the default and ``prefers`` are the fused sibling's."""
+
     name = "cross_entropy_grad_from_lse_warp_per_row"
-    op = "cross_entropy_grad"
-    target_kind = "cuda"
     algorithm = "from_lse"
-    knobs = FromLseWarpPerRowKnobs
     claims = {"shuffles": False, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
         return (problem.op == self.op and problem.mode == "from_lse"
                 and problem.classes <= WARP * MAX_VECTORS_PER_LANE * 8)
-
-    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
-        vector = widest_vector(problem.dtype, problem.classes)
-        return problem.classes // vector <= WARP * 8
-
-    def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
-        return {
-            "rows": [1, 2, 4, 8, 16],
-            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.classes),
-            "unroll": [1, 4, 16],
-        }
-
-    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> FromLseWarpPerRowKnobs:
-        return FromLseWarpPerRowKnobs(rows=4, vector=widest_vector(problem.dtype, problem.classes), unroll=16)
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         # Kernels 1-2: the denominator, the weights' sum.

@@ -29,29 +29,18 @@ between: the forward candidate's lesson from the GPU sweep).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from tvm.target import Target
 
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
-from tvm_fusion.registry import Candidate, Knobs, register
+from tvm_fusion.registry import Candidate, register
 
 from ..common import coefficients_at, merge_rows, outputs_to, single_thread, thread_reduce
+from .cross_entropy_warp_per_row import MAX_VECTORS_PER_LANE, WarpPerRowKnobs
 from .common import (
     WARP, grad_map, row_order, schedule_grad_batch_stage, schedule_grad_prologue, spans_two_vectors,
     vector_choices, widest_vector,
 )
-
-MAX_VECTORS_PER_LANE = 16  # past 16 vectors per lane a row wants more than a warp
-
-
-@dataclass(frozen=True)
-class GradWarpPerRowKnobs(Knobs):
-    rows: int = 4  # warps (rows) per block
-    vector: int = 8
-    unroll: int = 16
-
 
 @register
 class CrossEntropyGradWarpPerRow(Candidate):
@@ -59,7 +48,7 @@ class CrossEntropyGradWarpPerRow(Candidate):
     op = "cross_entropy_grad"
     target_kind = "cuda"
     algorithm = "fused"
-    knobs = GradWarpPerRowKnobs
+    knobs = WarpPerRowKnobs  # the forward's knobs: the same launch shape
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
@@ -80,9 +69,9 @@ class CrossEntropyGradWarpPerRow(Candidate):
             "unroll": [1, 4, 16],
         }
 
-    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradWarpPerRowKnobs:
+    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> WarpPerRowKnobs:
         vector = widest_vector(problem.dtype, problem.classes)
-        return GradWarpPerRowKnobs(rows=4, vector=vector, unroll=16)
+        return WarpPerRowKnobs(rows=4, vector=vector, unroll=16)
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         # Kernel 1: the targets pass.
