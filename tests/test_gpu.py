@@ -350,3 +350,51 @@ def test_default_check_inside_graph_capture_is_a_clear_error():
     with pytest.raises(RuntimeError, match="check_targets=False"):
         with torch.cuda.graph(graph):
             tf.cross_entropy(logits, target)
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_mean_row_scratch_is_per_stream_and_every_loss_is_the_callers():
+    """A mean's row losses are one reused buffer per stream: two streams at once,
+    and a graph replayed between eager calls, each keep their own right answer."""
+    F = torch.nn.functional
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    data = [(torch.randn(2048, 8192, device="cuda") * (k + 1), torch.randint(0, 8192, (2048,), device="cuda"))
+            for k in range(2)]
+    refs = [F.cross_entropy(l.double(), t).float() for l, t in data]
+    torch.cuda.synchronize()
+    losses = [[], []]
+    for _ in range(20):
+        for k, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                losses[k].append(tf.cross_entropy(*data[k], check_targets=False))
+    torch.cuda.synchronize()
+    for k in range(2):
+        for loss in losses[k]:  # every earlier loss is still the one its call made
+            torch.testing.assert_close(loss, refs[k], rtol=1e-5, atol=1e-5)
+    logits, target = data[0]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = tf.cross_entropy(logits, target, check_targets=False)
+    eager = tf.cross_entropy(*data[1], check_targets=False)
+    graph.replay()
+    again = tf.cross_entropy(*data[1], check_targets=False)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(captured, refs[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(eager, refs[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(again, refs[1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_bad_target_on_a_side_stream_is_flagged_in_pinned_memory():
+    """The kernel writes its flag straight into pinned host memory: a bad target
+    on a side stream is found once that stream is done, with no copy or sync."""
+    logits, target, bad = bad_target_batch(bad_row=200)
+    tf.check_targets()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        tf.cross_entropy(logits, bad, reduction="sum")
+    stream.synchronize()
+    with pytest.raises(tf.TargetOutOfRangeError, match=r"target\[200\] = 1005"):
+        tf.cross_entropy(logits, target, reduction="sum")
+    tf.check_targets()

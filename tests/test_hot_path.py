@@ -147,3 +147,26 @@ def test_param_alignment_changes_nothing_but_the_alignment(problem, target, cand
     tvm.ir.assert_structural_equal(with_param_alignment(mod, 64), mod)  # 64 is TVM's default
     aligned = with_param_alignment(mod)
     assert [p.data_alignment for p in aligned["main"].params] == [16] * len(mod["main"].params)
+
+
+def test_a_flag_view_of_raw_memory_receives_the_kernels_flag():
+    """The CUDA check hands kernels a view of pinned host memory
+    (``target_check.int32_view``); the same view over host memory on the CPU
+    shows that the kernel writes through it: the first bad row, then B."""
+    from tvm_fusion import target_check
+
+    gen = rng()
+    logits, target = ce_inputs(gen, 48, 100)
+    kernel = tf.build("cross_entropy", logits.shape, "float32", target="llvm", reduction="none")
+    slots = np.full(8, -1, np.int32)  # 32 bytes: a 16-byte aligned slot inside
+    slot = next(k for k in range(4) if (slots[k:].ctypes.data % 16) == 0)
+    flag = target_check.int32_view(slots[slot:].ctypes.data, 1, 0)  # kDLCPU
+    assert tuple(flag.shape) == (1,) and str(flag.dtype) == "int32"
+    loss = np.full(48, np.nan, np.float32)
+    bad = target.copy()
+    bad[17] = 1000
+    kernel(logits, bad, loss, flag)
+    assert slots[slot] == 17 and (slots[:slot] == -1).all() and (slots[slot + 1 :] == -1).all()
+    kernel(logits, target, loss, flag)
+    assert slots[slot] == 48
+    assert_close(loss, ce_ref.reference(logits, target, reduction="none"), 1e-5, 1e-5, "loss")

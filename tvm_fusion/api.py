@@ -49,12 +49,12 @@ def _bn_stats_launcher(x: Any, layout: Any) -> Callable[[Any], tuple[Any, Any]]:
     arg = arrays.inspect(x, "bn_stats", "x")
     problem = bn_stats_problem(arg.shape, arg.dtype, layout)
     kernel = kernel_for(problem, targets.for_device(arg.device_type))
-    kind, func, shape = arrays.Kind(arg), kernel.func, problem.shape
-    empty = kind.allocator((problem.channels,), "float32")
+    kind, func = arrays.Kind(arg), kernel.func
+    empty, adapt = kind.allocator((problem.channels,), "float32"), kind.adapter(arg, problem.shape)
 
     def launch(x: Any) -> tuple[Any, Any]:
         mean, var = empty(), empty()
-        func(kind.as_input(x, shape), mean, var)
+        func(adapt(x), mean, var)
         return mean, var
 
     _LAUNCHERS[("bn_stats", signature(x), layout)] = launch
@@ -118,28 +118,46 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
     if problem.batch == 0:
         return lambda logits, target, weight: _empty_batch_loss(la, reduction)
     kernel = kernel_for(problem, targets.for_device(la.device_type))
-    func, outputs = kernel.func, [kind.allocator(shape, dtype) for _, shape, dtype in kernel.outputs]
-    batch, classes, none = problem.batch, problem.classes, reduction == "none"
-    logits_shape, target_shape = (batch, classes), (batch,)
+    func, batch, classes = kernel.func, problem.batch, problem.classes
+    # Outputs: ([row_loss,] loss, first_bad_row); the row losses of a sum or mean
+    # are scratch, the loss is the caller's, the flag goes where the check reads it.
+    (*_, (_, loss_shape, _), (_, flag_shape, flag_dtype)) = kernel.outputs
+    row_loss = kind.scratch(*kernel.outputs[0][1:]) if len(kernel.outputs) == 3 else None
+    new_loss = kind.allocator(loss_shape, "float32")
+    new_flag = kind.allocator(flag_shape, flag_dtype)
+    adapt_logits, adapt_target = kind.adapter(la, (batch, classes)), kind.adapter(ta, (batch,))
+    adapt_weight = None if wa is None else kind.adapter(wa, (classes,))
     weight_to_float32 = wa is not None and wa.dtype != "float32"
-    deferred = check_targets and kind.name == "torch" and kind.cuda
+    scalar = None if reduction == "none" else kind.scalar
+    torch_cuda = kind.name == "torch" and kind.cuda
+    deferred = check_targets and torch_cuda
+    sink = target_check.sink(la.device_id) if torch_cuda and not check_targets else None
 
     def launch(logits: Any, target: Any, weight: Any) -> Any:
-        if deferred:
+        args = [adapt_logits(logits), adapt_target(target)]
+        if adapt_weight is not None:
+            args.append(adapt_weight(_as_float32(weight) if weight_to_float32 else weight))
+        if row_loss is not None:
+            args.append(row_loss())
+        loss = new_loss()
+        if sink is not None:
+            func(*args, loss, sink)
+        elif deferred:
             target_check.raise_finished()  # an earlier call's bad target, if it has landed
-        results = [empty() for empty in outputs]
-        inputs = [kind.as_input(logits, logits_shape), kind.as_input(target, target_shape)]
-        if weight is not None:
-            inputs.append(kind.as_input(_as_float32(weight) if weight_to_float32 else weight, (classes,)))
-        func(*inputs, *results)
-        loss, first_bad = results[-2], results[-1]
-        if deferred:
-            target_check.enqueue(first_bad, batch, classes, ignore_index, target)
-        elif check_targets:
-            row = kind.read_int(first_bad)
-            if row < batch:
-                raise TargetOutOfRangeError(row, _target_value(target, row), classes, ignore_index)
-        return loss if none else kind.scalar(loss)
+            slot, flag = target_check.claim(la.device_id, batch, classes, ignore_index, target)
+            try:
+                func(*args, loss, flag)
+            except BaseException:
+                target_check.unclaim(slot)
+                raise
+        else:  # the host has the flag at once (a sync for TVM's CUDA tensors)
+            flag = new_flag()
+            func(*args, loss, flag)
+            if check_targets:
+                row = kind.read_int(flag)
+                if row < batch:
+                    raise TargetOutOfRangeError(row, _target_value(target, row), classes, ignore_index)
+        return loss if scalar is None else scalar(loss)
 
     _LAUNCHERS[key] = launch
     return launch
