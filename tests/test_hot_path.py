@@ -170,3 +170,29 @@ def test_a_flag_view_of_raw_memory_receives_the_kernels_flag():
     kernel(logits, target, loss, flag)
     assert slots[slot] == 48
     assert_close(loss, ce_ref.reference(logits, target, reduction="none"), 1e-5, 1e-5, "loss")
+
+
+def test_a_reduced_loss_is_a_0d_parameter_and_the_kernel_code_is_the_same():
+    """A mean's loss param is 0-d (no view per call): the generated CUDA is the same
+    as with the (1,) buffer, and a 0-d numpy output receives the loss on the CPU."""
+    from tvm_fusion.kernel import compiled_form
+
+    gen = rng()
+    problem = tf.make_problem("cross_entropy", (96, 640), "float16", reduction="mean")
+    cuda = targets.resolve("cuda")
+    sch, _ = schedule_for(problem, cuda, "cross_entropy_warp_per_row")
+    compiled = compiled_form(sch.mod, problem)
+    assert [tuple(p.shape) for p in compiled["main"].params][-2:] == [(), (1,)]  # loss, first_bad_row
+    with cuda:
+        plain = tvm.compile(with_param_alignment(sch.mod), target=cuda)
+        zero_d = tvm.compile(compiled, target=cuda)
+    assert plain.mod.imports[0].inspect_source() == zero_d.mod.imports[0].inspect_source()
+    none = tf.make_problem("cross_entropy", (1, 640), "float32", reduction="none")  # a (1,) per-row loss stays
+    sch_none, _ = schedule_for(none, targets.resolve("llvm"), "cross_entropy_parallel")
+    assert tuple(compiled_form(sch_none.mod, none)["main"].params[2].shape) == (1,)
+    logits, target = ce_inputs(gen, 40, 300)
+    kernel = tf.build("cross_entropy", logits.shape, "float32", target="llvm", reduction="sum")
+    assert kernel.outputs[-2] == ("loss", (), "float32")
+    loss = tf.cross_entropy(logits, target, reduction="sum")
+    assert loss.shape == () and np.isclose(loss, ce_ref.reference(logits, target, reduction="sum"), rtol=1e-5)
+

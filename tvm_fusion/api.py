@@ -39,8 +39,10 @@ def bn_stats(x: Any, layout: str = "NCHW") -> tuple[Any, Any]:
     (channels last), dtype float16, bfloat16 or float32.
     """
     try:
-        launch = _LAUNCHERS[("bn_stats", signature(x), layout)]
-    except (KeyError, TypeError):  # TypeError: an unhashable layout, which the contract names
+        launch = _LAUNCHERS.get(("bn_stats", signature(x), layout))
+    except TypeError:  # an unhashable layout, which the contract names
+        launch = None
+    if launch is None:
         launch = _bn_stats_launcher(x, layout)
     return launch(x)
 
@@ -87,8 +89,10 @@ def cross_entropy(
         check_targets is True,
     )
     try:
-        launch = _LAUNCHERS[key]
-    except (KeyError, TypeError):  # TypeError: an unhashable option, which the contract names
+        launch = _LAUNCHERS.get(key)
+    except TypeError:  # an unhashable option, which the contract names
+        launch = None
+    if launch is None:
         launch = _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction,
                                          label_smoothing, check_targets)
     return launch(logits, target, weight)
@@ -107,28 +111,22 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
         None if wa is None else wa.shape, "float32" if wa is None else wa.dtype,
         ignore_index, reduction, label_smoothing,
     )
-    for name, other in (("target", ta), ("weight", wa)):
-        if other is not None and (other.kind, other.device_type, other.device_id) != (la.kind, la.device_type, la.device_id):
-            raise ValueError(
-                f"{op}: {name} must be of the same kind and on the same device as logits "
-                f"({la.kind} on {la.device_type}:{la.device_id}), got {other.kind} on "
-                f"{other.device_type}:{other.device_id}"
-            )
+    arrays.check_same_place(op, la, target=ta, weight=wa)
     kind = arrays.Kind(la)
     if problem.batch == 0:
         return lambda logits, target, weight: _empty_batch_loss(la, reduction)
     kernel = kernel_for(problem, targets.for_device(la.device_type))
     func, batch, classes = kernel.func, problem.batch, problem.classes
     # Outputs: ([row_loss,] loss, first_bad_row); the row losses of a sum or mean
-    # are scratch, the loss is the caller's, the flag goes where the check reads it.
+    # are scratch, the loss (0-d for a sum or mean) is the caller's, and the flag
+    # goes where the check reads it.
     (*_, (_, loss_shape, _), (_, flag_shape, flag_dtype)) = kernel.outputs
-    row_loss = kind.scratch(*kernel.outputs[0][1:]) if len(kernel.outputs) == 3 else None
+    row_loss = kind.scratch([kernel.outputs[0][1:]]) if len(kernel.outputs) == 3 else None
     new_loss = kind.allocator(loss_shape, "float32")
     new_flag = kind.allocator(flag_shape, flag_dtype)
     adapt_logits, adapt_target = kind.adapter(la, (batch, classes)), kind.adapter(ta, (batch,))
     adapt_weight = None if wa is None else kind.adapter(wa, (classes,))
     weight_to_float32 = wa is not None and wa.dtype != "float32"
-    scalar = None if reduction == "none" else kind.scalar
     torch_cuda = kind.name == "torch" and kind.cuda
     deferred = check_targets and torch_cuda
     sink = target_check.sink(la.device_id) if torch_cuda and not check_targets else None
@@ -138,18 +136,13 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
         if adapt_weight is not None:
             args.append(adapt_weight(_as_float32(weight) if weight_to_float32 else weight))
         if row_loss is not None:
-            args.append(row_loss())
+            args += row_loss()
         loss = new_loss()
         if sink is not None:
             func(*args, loss, sink)
         elif deferred:
-            target_check.raise_finished()  # an earlier call's bad target, if it has landed
-            slot, flag = target_check.claim(la.device_id, batch, classes, ignore_index, target)
-            try:
-                func(*args, loss, flag)
-            except BaseException:
-                target_check.unclaim(slot)
-                raise
+            args += [loss, None]
+            target_check.launch_checked(func, args, -1, la.device_id, batch, classes, ignore_index, target)
         else:  # the host has the flag at once (a sync for TVM's CUDA tensors)
             flag = new_flag()
             func(*args, loss, flag)
@@ -157,7 +150,7 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
                 row = kind.read_int(flag)
                 if row < batch:
                     raise TargetOutOfRangeError(row, _target_value(target, row), classes, ignore_index)
-        return loss if scalar is None else scalar(loss)
+        return loss
 
     _LAUNCHERS[key] = launch
     return launch
@@ -281,4 +274,4 @@ def _empty_batch_loss(like: arrays.ArrayArg, reduction: str) -> Any:
         return torch.from_numpy(value).to(like.obj.device)
     import tvm
 
-    return tvm.runtime.tensor(value.reshape(-1) if value.ndim == 0 else value, arrays.tvm_device(like))
+    return tvm.runtime.tensor(value, arrays.tvm_device(like))

@@ -159,6 +159,20 @@ def claim(device_id: int, batch: int, classes: int, ignore_index: int, target: A
     return slot, views[slot]
 
 
+def launch_checked(func: Any, args: list[Any], flag_at: int, device_id: int, batch: int, classes: int,
+                   ignore_index: int, target: Any) -> None:
+    """``func(*args)`` with a claimed slot as ``args[flag_at]``: an earlier call's bad
+    target is raised first (if its kernel has run), and a failed launch gives the
+    slot back."""
+    raise_finished()
+    slot, args[flag_at] = claim(device_id, batch, classes, ignore_index, target)
+    try:
+        func(*args)
+    except BaseException:
+        unclaim(slot)
+        raise
+
+
 def unclaim(slot: int) -> None:
     """Forget a claimed slot whose launch raised."""
     with _LOCK:

@@ -59,7 +59,7 @@ PrimFunc parameters (inputs, then outputs):
               loss (1,)``; "mean": ``first_bad_row, denom (1,), lse, row_loss,
               dlogits, loss``.
 ``from_lse``  ``logits, target[, weight], lse (B,) float32, dloss ((B,) for "none", else
-              (1,)) float32``, then ``[denom (1,)]`` (mean), ``[weight_total (1,)]``
+              (1,); compiled kernels take it 0-d) float32``, then ``[denom (1,)]`` (mean), ``[weight_total (1,)]``
               (weight and smoothing), ``dlogits (B, V)``.
 
 ``first_bad_row`` and the guard on the gather are the forward's: a bad target is

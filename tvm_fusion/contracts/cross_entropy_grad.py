@@ -88,9 +88,10 @@ class CrossEntropyGradProblem:
         return (3 if self.has_weight else 2) + (2 if self.mode == "from_lse" else 0)
 
     @property
-    def dloss_shape(self) -> tuple[int]:
-        """Shape of the upstream gradient ``from_lse`` reads."""
-        return (self.batch,) if self.reduction == "none" else (1,)
+    def dloss_shape(self) -> tuple[int, ...]:
+        """Shape of the upstream gradient ``from_lse`` reads: (B,), or a scalar (0-d, as
+        torch's ``grad_output`` of a reduced loss)."""
+        return (self.batch,) if self.reduction == "none" else ()
 
     @property
     def bytes_moved(self) -> int:
