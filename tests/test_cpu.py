@@ -208,11 +208,14 @@ def test_build_returns_kernel_for_shape():
 def test_bn_stats_long_channels_last_bf16_stays_accurate(rows, channels):
     """Float32 sums of a million same-sign squares drift: one partial over 1M bf16 rows
     put the variance 1.9e-3 off; partial sums keep it near 3e-4 (M odd with scalar
-    partials, and M a multiple of 4 with C < 4, where the partials are vector lanes)."""
+    partials, and M a multiple of 4 with C < 4, where the partials are vector lanes).
+    The sums drift with the shift's distance from the mean too: a first value 3 std
+    off put a variance 4.3e-3 off (seed 13); the mean of the first 64 values keeps
+    every variance within 1.2e-4 and every mean within 1.3e-4 std (40 seeds each)."""
     gen = rng()
     x = random_floats(gen, (rows, channels), "bfloat16", loc=2.0, scale=0.7)
     ref_mean, ref_var = bn_ref.reference(x, "NHWC")
     kernel = build_kernel(tf.make_problem("bn_stats", x.shape, "bfloat16", layout="NHWC"), CPU, "bn_stats_parallel")
     mean, var = run_poisoned(kernel, [x])
-    assert_close(var, ref_var, 6e-4, 0.0, "var")
-    assert_close(mean, ref_mean, 1e-5, 1e-5 * float(np.sqrt(ref_var.max())), "mean")
+    assert_close(var, ref_var, 3e-4, 0.0, "var")
+    assert_close(mean, ref_mean, 1e-5, 2.5e-4 * float(np.sqrt(ref_var.max())), "mean")

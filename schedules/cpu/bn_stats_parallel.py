@@ -1,7 +1,8 @@
 """Channels in parallel across cores, shifted sums in vector lanes (LLVM).
 
-Pattern ``x(SRR) -> (sum, sumsq)(S) -> mean, var``, the ``shifted``
-decomposition, for any shape on the CPU.
+Pattern ``x(SRR) -> (sum, sumsq)(S) -> mean, var``, the ``shifted_sampled``
+decomposition (the shift is the mean of a channel's first 8 values), for any
+shape on the CPU.
 
 (N, C, L) view:
 1. The channel loop of the epilogue runs in parallel; the shift, the moments
@@ -58,7 +59,7 @@ class BNStatsParallel(Candidate):
     name = "bn_stats_parallel"
     op = "bn_stats"
     target_kind = "llvm"
-    algorithm = "shifted"
+    algorithm = "shifted_sampled"  # partials of up to 16k rows: a shift near the mean
     knobs = ChannelsParallelKnobs
 
     def _contiguous(self, problem: BNStatsProblem) -> int:
@@ -94,6 +95,7 @@ class BNStatsParallel(Candidate):
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:
         mean, var = sch.get_sblock("mean"), sch.get_sblock("var")
         moments, shift = sch.get_sblock("moments"), sch.get_sblock("shift")
+        shift_sum = sch.get_sblock("shift_sum")
         # 2a. Partial sums first: rfactor wants the loop nest to itself.
         by_plane = not problem.channels_last and problem.shape[2] % 4 != 0
         if by_plane:  # no vector width divides L: one partial per plane instead
@@ -107,7 +109,7 @@ class BNStatsParallel(Candidate):
             if knob_value(sch, knobs.parallel):  # one choice per shape: safe to branch on
                 sch.parallel(group)
             sch.vectorize(lane)
-            for block in (moments, partial, shift):
+            for block in (moments, partial, shift, shift_sum):
                 sch.compute_at(block, group, preserve_unit_loops=True)
             # 2b. Rows outermost, then the partials, then the channel vector: x is
             # read row by row, contiguously.
@@ -118,7 +120,7 @@ class BNStatsParallel(Candidate):
         # 1. Channels in parallel; 2b. each plane into vector-lane partials.
         if knob_value(sch, knobs.parallel):  # one choice per shape: safe to branch on
             sch.parallel(channel)
-        for block in (moments, partial, shift):
+        for block in (moments, partial, shift, shift_sum):
             sch.compute_at(block, channel, preserve_unit_loops=True)
         if not by_plane:
             vectorize_partials(sch, partial, 1)
