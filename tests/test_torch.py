@@ -1,0 +1,353 @@
+"""tvm_fusion.torch: cross entropy as a differentiable op, eager and compiled.
+
+Every loss and gradient is compared with float64 torch autograd on the same
+(rounded) logits, with fresh random data and outputs poisoned with NaN before the
+kernel runs (the launcher's allocations are swapped for NaN-filled ones), so an
+element the kernel does not write fails."""
+
+import math
+
+import pytest
+
+from helpers import has_gpu, rng, torch_or_none
+
+torch = torch_or_none()
+pytestmark = pytest.mark.skipif(torch is None, reason="needs torch")
+if torch is not None:
+    import torch.nn.functional as F
+
+    import tvm_fusion as tf
+    import tvm_fusion.torch as tft
+    from tvm_fusion import arrays, records
+
+# (loss rtol, gradient tolerance as a fraction of the largest gradient element)
+TOL = {"float32": (1e-5, 1e-5), "bfloat16": (1e-5, 1e-2), "float16": (1e-5, 2e-3)}
+OPTIONS = [
+    {},
+    {"reduction": "sum"},
+    {"reduction": "none"},
+    {"ignore_index": 3, "label_smoothing": 0.1},
+    {"weight": True, "reduction": "mean"},
+    {"weight": True, "reduction": "none", "label_smoothing": 0.2},
+    {"weight": True, "reduction": "sum", "ignore_index": 0},
+]
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output the launchers allocate from now on starts as NaN (or -7777)."""
+    plain = arrays.Kind.allocator
+
+    def allocator(self, shape, dtype):
+        allocate = plain(self, shape, dtype)
+        if self.name != "torch":
+            return allocate
+
+        def poisoned_allocate():
+            out = allocate()
+            return out.fill_(float("nan") if out.is_floating_point() else -7777)
+
+        return poisoned_allocate
+
+    monkeypatch.setattr(arrays.Kind, "allocator", allocator)
+    records.invalidate()  # the launchers are rebuilt with the poisoned allocators
+    yield
+    records.invalidate()
+
+
+def make_inputs(gen, batch, classes, dtype, options, device="cpu"):
+    seed = int(gen.integers(2**31))
+    torch.manual_seed(seed)
+    logits = (torch.randn(batch, classes, device=device) * 3).to(getattr(torch, dtype))
+    target = torch.randint(0, classes, (batch,), device=device)
+    ignore = options.get("ignore_index", -100)
+    target[:: 5] = ignore
+    weight = torch.rand(classes, device=device) + 0.1 if options.get("weight") else None
+    kwargs = {k: v for k, v in options.items() if k != "weight"}
+    return logits, target, weight, kwargs
+
+
+def reference(logits, target, weight, upstream, **kwargs):
+    x = logits.detach().double().requires_grad_()
+    loss = F.cross_entropy(x, target, None if weight is None else weight.double(), **kwargs)
+    (grad,) = torch.autograd.grad(loss, x, upstream.double())
+    return loss, grad
+
+
+def check_loss_and_grad(logits, target, weight, kwargs, dtype):
+    x = logits.clone().requires_grad_()
+    loss = tft.cross_entropy(x, target, weight, **kwargs)
+    upstream = torch.rand(loss.shape, device=loss.device) + 0.5  # not 1: the backward must scale
+    (grad,) = torch.autograd.grad(loss, x, upstream)
+    ref_loss, ref_grad = reference(logits, target, weight, upstream, **kwargs)
+    loss_rtol, grad_tol = TOL[dtype]
+    # float32 lse over V classes is off by up to ~log2(V) roundings, and every p with it
+    grad_tol = max(grad_tol, 1e-5 * math.log2(logits.shape[1] + 1) / 4)
+    assert loss.dtype == torch.float32 and loss.shape == ref_loss.shape
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=loss_rtol, atol=loss_rtol * 1e-2, equal_nan=True)
+    assert grad.dtype == logits.dtype and grad.shape == logits.shape
+    scale = float(ref_grad.abs().max()) or 1.0
+    torch.testing.assert_close(grad.double(), ref_grad, rtol=grad_tol, atol=grad_tol * scale, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_loss_and_grad_equal_torch_float64_autograd(poisoned, dtype, options):
+    gen = rng()
+    logits, target, weight, kwargs = make_inputs(gen, 37, 1001, dtype, options)
+    check_loss_and_grad(logits, target, weight, kwargs, dtype)
+
+
+@pytest.mark.parametrize("batch, classes", [(1, 1), (3, 50257), (64, 7), (200, 4096)])
+def test_odd_and_large_vocabularies(poisoned, batch, classes):
+    gen = rng()
+    logits, target, weight, kwargs = make_inputs(gen, batch, classes, "float32", {"label_smoothing": 0.05})
+    check_loss_and_grad(logits, target, weight, kwargs, "float32")
+
+
+def test_the_target_class_term_keeps_its_precision_near_p_equal_1(poisoned):
+    """p - 1 in float32: a confident bf16 row's gradient at the target is -(1 - p),
+    not 0 (Liger's bf16 arithmetic lost it, their PR 1329)."""
+    logits = torch.full((8, 512), -4.0).bfloat16()
+    target = torch.arange(8) * 7
+    logits[torch.arange(8), target] = 12.0  # p ~ 1 - 5e-5
+    x = logits.clone().requires_grad_()
+    tft.cross_entropy(x, target, reduction="sum").backward()
+    ref_loss, ref_grad = reference(logits, target, None, torch.tensor(1.0), reduction="sum")
+    at_target = x.grad[torch.arange(8), target].double()
+    torch.testing.assert_close(at_target, ref_grad[torch.arange(8), target], rtol=1e-2, atol=0)
+    assert (at_target < 0).all()
+
+
+def test_all_rows_ignored_give_torchs_nan_mean_and_zero_grad(poisoned):
+    logits = torch.randn(6, 10, requires_grad=True)
+    target = torch.full((6,), -100)
+    loss = tft.cross_entropy(logits, target)
+    assert torch.isnan(loss)
+    loss.backward()
+    ref = F.cross_entropy(logits.detach().clone().requires_grad_(), target)
+    assert torch.isnan(ref)
+    assert torch.isnan(logits.grad).all() or (logits.grad == 0).all()
+    ref_x = logits.detach().clone().requires_grad_()
+    F.cross_entropy(ref_x, target).backward()
+    torch.testing.assert_close(logits.grad, ref_x.grad, equal_nan=True)
+
+
+def test_no_grad_calls_the_forward_kernel():
+    gen = rng()
+    logits, target, weight, kwargs = make_inputs(gen, 16, 300, "float32", {"weight": True})
+    with torch.no_grad():
+        loss = tft.cross_entropy(logits.requires_grad_(), target, weight)
+    assert not loss.requires_grad
+    torch.testing.assert_close(loss, tf.cross_entropy(logits.detach(), target, weight))
+
+
+def test_the_module_equals_nn_cross_entropy_loss():
+    gen = rng()
+    logits, target, weight, kwargs = make_inputs(gen, 24, 513, "float32", {"weight": True})
+    for ours, theirs in (
+        (tft.CrossEntropyLoss(weight, label_smoothing=0.1), torch.nn.CrossEntropyLoss(weight, label_smoothing=0.1)),
+        (tft.CrossEntropyLoss(reduction="none", ignore_index=2), torch.nn.CrossEntropyLoss(reduction="none", ignore_index=2)),
+    ):
+        x, y = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        labels = target.clamp(min=0) if ours.ignore_index != -100 else target  # class 0 for the -100 rows
+        a, b = ours(x, labels), theirs(y, labels)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        a.sum().backward()
+        b.sum().backward()
+        torch.testing.assert_close(x.grad, y.grad, rtol=1e-5, atol=1e-7)
+    with pytest.warns(UserWarning):
+        legacy = tft.CrossEntropyLoss(size_average=False)
+    assert legacy.reduction == "sum"
+    assert "label_smoothing=0.0" in repr(tft.CrossEntropyLoss())
+
+
+def test_a_bad_target_raises_the_clear_error():
+    logits = torch.randn(12, 40, requires_grad=True)
+    target = torch.randint(0, 40, (12,))
+    target[5] = 40
+    with pytest.raises(tf.TargetOutOfRangeError, match=r"target\[5\] = 40 is outside \[0, 40\)"):
+        tft.cross_entropy(logits, target)
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (lambda: tft.cross_entropy(torch.randn(4, 5, requires_grad=True), torch.randint(0, 5, (3,))), ValueError, ["target"]),
+    (lambda: tft.cross_entropy(torch.randn(4, 5, requires_grad=True), torch.randint(0, 5, (4,)), reduction="avg"),
+     ValueError, ["reduction"]),
+    (lambda: tft.cross_entropy(torch.randn(2, 4, 5, requires_grad=True), torch.randint(0, 5, (2, 5))), ValueError,
+     ["logits"]),
+    (lambda: tft.cross_entropy(torch.randn(4, 5, requires_grad=True), torch.rand(4, 5)), ValueError, ["target.shape"]),
+    (lambda: tft.cross_entropy(torch.randn(4, 5, requires_grad=True), torch.rand(4)), TypeError, ["target"]),
+])
+def test_bad_arguments_are_named(bad, error, words):
+    with pytest.raises(error) as info:
+        bad()
+    for word in words:
+        assert word in str(info.value)
+
+
+def test_a_second_backward_through_the_same_loss_is_a_clear_error():
+    logits = torch.randn(8, 30, requires_grad=True)
+    loss = tft.cross_entropy(logits, torch.randint(0, 30, (8,)))
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="retain_graph"):
+        loss.backward()
+
+
+def test_opcheck_both_custom_ops():
+    gen = rng()
+    for options in ({}, {"weight": True, "reduction": "none", "label_smoothing": 0.1}):
+        logits, target, weight, kwargs = make_inputs(gen, 9, 33, "float32", options)
+        args = (logits.requires_grad_(), target, weight, kwargs.get("ignore_index", -100),
+                kwargs.get("reduction", "mean"), kwargs.get("label_smoothing", 0.0), True)
+        torch.library.opcheck(torch.ops.tvm_fusion.cross_entropy_fused.default, args)
+        torch.library.opcheck(torch.ops.tvm_fusion.cross_entropy.default, (logits.detach(), *args[1:]))
+
+
+def test_torch_compile_fullgraph_trains_a_model_through_it():
+    torch.manual_seed(int(rng().integers(2**31)))
+    model = torch.nn.Linear(64, 300)
+    reference_model = torch.nn.Linear(64, 300)
+    reference_model.load_state_dict(model.state_dict())
+    loss_fn = tft.CrossEntropyLoss(label_smoothing=0.1)
+
+    def forward(m, x, y, fn):
+        return fn(m(x), y)
+
+    # fullgraph: a graph break at the loss would raise; AOT autograd traces the backward too
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    x, y = torch.randn(32, 64), torch.randint(0, 300, (32,))
+    ours = compiled(model, x, y, loss_fn)
+    theirs = forward(reference_model, x, y, torch.nn.CrossEntropyLoss(label_smoothing=0.1))
+    ours.backward()
+    theirs.backward()
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(model.weight.grad, reference_model.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+# -- on the GPU ----------------------------------------------------------------------------
+gpu = pytest.mark.skipif(torch is None or not has_gpu(), reason="needs a CUDA GPU and torch")
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("batch, classes", [(37, 1001), (512, 32000), (5, 50257)])
+def test_loss_and_grad_on_gpu(poisoned, dtype, options, batch, classes):
+    gen = rng()
+    logits, target, weight, kwargs = make_inputs(gen, batch, classes, dtype, options, device="cuda")
+    check_loss_and_grad(logits, target, weight, kwargs, dtype)
+    tf.check_targets()
+
+
+@pytest.mark.gpu
+@gpu
+def test_past_two_to_the_31_elements_on_gpu():
+    """32768 x 151936 bf16 (5e9 elements): loss and gradient against float64 torch on
+    row blocks (the whole float64 reference would not fit)."""
+    batch, classes = 32768, 151936
+    torch.manual_seed(int(rng().integers(2**31)))
+    logits = (torch.randn(batch, classes, device="cuda", dtype=torch.bfloat16) * 2)
+    target = torch.randint(0, classes, (batch,), device="cuda")
+    target[::11] = -100
+    x = logits.requires_grad_()
+    loss = tft.cross_entropy(x, target, check_targets=False)
+    loss.backward()
+    valid = int((target != -100).sum())
+    total = 0.0
+    rows = [0, 1, batch // 2, batch - 2, batch - 1] + list(range(20000, 20000 + 256))
+    for start in range(0, batch, 4096):
+        block = logits[start : start + 4096].detach().double()
+        total += float(F.cross_entropy(block, target[start : start + 4096], reduction="sum"))
+    torch.testing.assert_close(loss.double(), torch.tensor(total / valid, device="cuda", dtype=torch.float64),
+                               rtol=1e-5, atol=0)
+    pick = torch.tensor(rows, device="cuda")
+    block = logits.detach()[pick].double().requires_grad_()
+    (F.cross_entropy(block, target[pick], reduction="sum") / valid).backward()
+    torch.testing.assert_close(x.grad[pick].double(), block.grad, rtol=1e-2, atol=1e-2 * float(block.grad.abs().max()))
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_training_step_replays_in_a_cuda_graph():
+    torch.manual_seed(int(rng().integers(2**31)))
+    model = torch.nn.Linear(256, 8192).cuda()
+    reference_model = torch.nn.Linear(256, 8192).cuda()
+    reference_model.load_state_dict(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.SGD(reference_model.parameters(), lr=0.1)
+    x = torch.randn(512, 256, device="cuda")
+    y = torch.randint(0, 8192, (512,), device="cuda")
+
+    def step():
+        opt.zero_grad(set_to_none=False)
+        loss = tft.cross_entropy(model(x), y, check_targets=False)
+        loss.backward()
+        opt.step()
+        return loss
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # warm up: build, compile and allocate outside the capture
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    reference_model.load_state_dict(model.state_dict())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured_loss = step()
+    for _ in range(3):
+        x.copy_(torch.randn(512, 256, device="cuda"))
+        y.copy_(torch.randint(0, 8192, (512,), device="cuda"))
+        graph.replay()
+        ref_opt.zero_grad()
+        ref_loss = F.cross_entropy(reference_model(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(captured_loss, ref_loss, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(model.weight, reference_model.weight, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.gpu
+@gpu
+def test_a_bad_target_on_gpu_is_raised_later_and_the_context_lives():
+    logits = torch.randn(256, 1000, device="cuda", requires_grad=True)
+    target = torch.randint(0, 1000, (256,), device="cuda")
+    bad = target.clone()
+    bad[9] = 1000
+    tf.check_targets()
+    tft.cross_entropy(logits, bad).backward()
+    with pytest.raises(tf.TargetOutOfRangeError, match=r"target\[9\] = 1000"):
+        tf.check_targets()
+    loss = tft.cross_entropy(logits, target)
+    torch.testing.assert_close(loss, F.cross_entropy(logits, target), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_in_place_scaling_skips_a_scale_of_one_and_scales_otherwise(dtype):
+    from tvm_fusion.torch.scale import scale_in_place
+
+    torch.manual_seed(int(rng().integers(2**31)))
+    x = torch.randn(1003).to(getattr(torch, dtype))
+    before = x.clone()
+    scale_in_place(x, torch.tensor(1.0))
+    assert torch.equal(x, before)
+    scale_in_place(x, torch.tensor(-2.75))
+    torch.testing.assert_close(x, (before.float() * -2.75).to(x.dtype), rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype, numel", [("float32", 4096 * 1001), ("bfloat16", 4096 * 32000), ("float16", 1001 * 7)])
+def test_the_in_place_scaling_on_gpu(dtype, numel):
+    from tvm_fusion.torch.scale import scale_in_place
+
+    torch.manual_seed(int(rng().integers(2**31)))
+    x = torch.randn(numel, device="cuda").to(getattr(torch, dtype))
+    before = x.clone()
+    scale_in_place(x, torch.tensor(1.0, device="cuda"))
+    assert torch.equal(x, before)
+    scale_in_place(x, torch.tensor(0.37, device="cuda"))
+    torch.testing.assert_close(x, (before.float() * 0.37).to(x.dtype), rtol=0, atol=0)

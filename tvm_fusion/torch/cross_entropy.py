@@ -1,0 +1,256 @@
+"""Cross entropy for training: the loss and its gradient in one kernel.
+
+When the logits need a gradient, the forward runs the *fused* gradient kernel
+(``cross_entropy_grad``, mode "fused"): one read of the logits gives the loss and
+``dlogits`` for an upstream gradient of 1, written while the row is in registers.
+The backward only scales that gradient by the upstream one, in place: a reduced
+loss's ``dloss`` is a scalar, and the scaling kernel skips all work on the device
+when it is 1 (``tvm_fusion.torch.scale``); "none" scales each row. So a training
+step that ends at the loss reads the logits once and writes the gradient once.
+
+Three ways in, one kernel:
+
+- eager, the logits need a gradient: a ``torch.autograd.Function`` around the
+  launcher, no dispatcher (``torch.library.custom_op`` costs about 60 us an eager
+  call);
+- eager, no gradient wanted: ``tvm_fusion.cross_entropy`` (the forward kernel);
+- traced by ``torch.compile`` (or ``torch.export``): the custom ops
+  ``tvm_fusion::cross_entropy_fused`` and ``tvm_fusion::cross_entropy``, with fake
+  (meta) functions and the autograd formula registered, so ``fullgraph=True``
+  traces a model through them without a graph break.
+
+A bad target raises :class:`tvm_fusion.TargetOutOfRangeError` as the forward API
+does (on CUDA at a later call or at ``tvm_fusion.check_targets()``);
+``check_targets=False`` reads nothing and lets a training step be captured in a
+CUDA graph.
+"""
+
+from collections.abc import Callable
+from typing import Any, Optional  # no postponed annotations: custom_op reads them
+
+import torch
+
+from .. import api, arrays, records, target_check, targets
+from ..contracts import TargetOutOfRangeError
+from ..contracts.common import check_bool
+from ..contracts.cross_entropy_grad import cross_entropy_grad_problem
+from ..dispatch import kernel_for
+from .scale import scale_in_place
+
+OP = "tvm_fusion.torch.cross_entropy"
+_RETURNED = ("loss", "dlogits")  # the kernel's outputs the caller gets; the rest are scratch
+_LAUNCHERS: dict[tuple, Callable[..., tuple[Any, Any]]] = records.register_cache({})
+
+
+def cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    check_targets: bool = True,
+) -> torch.Tensor:
+    """``torch.nn.functional.cross_entropy`` of (B, V) ``logits`` against class
+    indices ``target`` (B,), differentiable with respect to ``logits``.
+
+    The loss is float32 (0-d for "mean" and "sum"); the gradient has the logits'
+    dtype. Same options and meaning as torch's; ``check_targets`` as in
+    :func:`tvm_fusion.cross_entropy`."""
+    if torch.compiler.is_compiling():
+        if logits.requires_grad:
+            return torch.ops.tvm_fusion.cross_entropy_fused(
+                logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)[0]
+        return torch.ops.tvm_fusion.cross_entropy(logits, target, weight, ignore_index, reduction,
+                                                 label_smoothing, check_targets)
+    if logits.requires_grad and torch.is_grad_enabled():
+        return _CrossEntropy.apply(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
+    return api.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
+
+
+class CrossEntropyLoss(torch.nn.Module):
+    """``torch.nn.CrossEntropyLoss`` on tvm_fusion's kernels (class-index targets,
+    (B, V) logits), with the same arguments, plus ``check_targets``."""
+
+    def __init__(self, weight: torch.Tensor | None = None, size_average: Any = None, ignore_index: int = -100,
+                 reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0,
+                 check_targets: bool = True) -> None:
+        super().__init__()
+        if size_average is not None or reduce is not None:  # torch's deprecated pair
+            reduction = torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=True)
+        self.register_buffer("weight", weight)
+        self.ignore_index, self.reduction = ignore_index, reduction
+        self.label_smoothing, self.check_targets = label_smoothing, check_targets
+
+    def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction,
+                             self.label_smoothing, self.check_targets)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
+                f"label_smoothing={self.label_smoothing}, check_targets={self.check_targets}")
+
+
+# -- the launch ------------------------------------------------------------------------
+def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+                  ignore_index: int, reduction: str, label_smoothing: float,
+                  check_targets: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss and ``dlogits`` for an upstream gradient of 1, from one kernel."""
+    key = (arrays.signature(logits), arrays.signature(target), arrays.signature(weight), ignore_index,
+           type(ignore_index), reduction, label_smoothing, type(label_smoothing), check_targets is True)
+    try:
+        launch = _LAUNCHERS.get(key)
+    except TypeError:  # an unhashable option, which the contract names
+        launch = None
+    if launch is None:
+        launch = _launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
+    return launch(logits, target, weight)
+
+
+def _launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets):
+    la = arrays.inspect(logits, OP, "logits")
+    ta = arrays.inspect(target, OP, "target")
+    wa = None if weight is None else arrays.inspect(weight, OP, "weight")
+    check_bool(OP, "check_targets", check_targets)
+    if la.kind != "torch":
+        raise TypeError(f"{OP}: logits must be a torch tensor, got {type(logits).__name__}; "
+                        "tvm_fusion.cross_entropy takes numpy and TVM arrays")
+    problem = cross_entropy_grad_problem(
+        la.shape, la.dtype, ta.shape, ta.dtype, None if wa is None else wa.shape,
+        "float32" if wa is None else wa.dtype, ignore_index, reduction, label_smoothing, mode="fused",
+    )
+    arrays.check_same_place(OP, la, target=ta, weight=wa)
+    kind = arrays.Kind(la)
+    if problem.batch == 0:
+        launch = _empty_batch(reduction)
+        _LAUNCHERS[key] = launch
+        return launch
+    kernel = kernel_for(problem, targets.for_device(la.device_type))
+    func, batch, classes = kernel.func, problem.batch, problem.classes
+    # Outputs in the kernel's order: the loss and dlogits are the caller's, the flag
+    # goes where the check reads it, the rest (lse, row losses, denominators) are
+    # scratch, one set per stream.
+    names = [name for name, _, _ in kernel.outputs]
+    flag_at, loss_at, grad_at = names.index("first_bad_row"), names.index("loss"), names.index("dlogits")
+    scratch_at = [i for i, name in enumerate(names) if name not in _RETURNED]
+    scratch = kind.scratch([kernel.outputs[i][1:] for i in scratch_at])
+    new_loss, new_grad = kind.allocator(*kernel.outputs[loss_at][1:]), kind.allocator(*kernel.outputs[grad_at][1:])
+    width = len(names)
+    adapt = [kind.adapter(la, (batch, classes)), kind.adapter(ta, (batch,))]
+    if wa is not None:
+        to_float32 = wa.dtype != "float32"
+        weight_input = kind.adapter(wa, (classes,))
+        adapt.append(lambda w: weight_input(w.float() if to_float32 else w))
+    torch_cuda = kind.cuda
+    deferred = check_targets and torch_cuda
+    sink = target_check.sink(la.device_id) if torch_cuda and not check_targets else None
+
+    def launch(logits, target, weight):
+        args = [a(x) for a, x in zip(adapt, (logits, target, weight))]
+        outs = [None] * width
+        for i, buffer in zip(scratch_at, scratch()):
+            outs[i] = buffer
+        outs[loss_at], outs[grad_at] = new_loss(), new_grad()
+        if sink is not None:
+            outs[flag_at] = sink
+            func(*args, *outs)
+        elif deferred:
+            args += outs
+            target_check.launch_checked(func, args, len(args) - width + flag_at, la.device_id, batch, classes,
+                                        ignore_index, target)
+        else:
+            func(*args, *outs)
+            if check_targets:
+                row = int(outs[flag_at][0])
+                if row < batch:
+                    raise TargetOutOfRangeError(row, int(target[row]), classes, ignore_index)
+        return outs[loss_at], outs[grad_at]
+
+    _LAUNCHERS[key] = launch
+    return launch
+
+
+def _empty_batch(reduction: str):
+    """Zero rows: torch's empty loss, sum 0 or mean NaN, and an empty gradient."""
+    def launch(logits, target, weight):
+        if reduction == "none":
+            loss = logits.new_empty((0,), dtype=torch.float32)
+        else:
+            loss = torch.full((), 0.0 if reduction == "sum" else float("nan"), device=logits.device)
+        return loss, torch.empty_like(logits)
+
+    return launch
+
+
+def scaled_grad(dlogits: torch.Tensor, grad_loss: torch.Tensor, reduction: str, in_place: bool) -> torch.Tensor:
+    """``dlogits`` (for dloss = 1) times the upstream gradient: a scalar for "mean"
+    and "sum", one value per row for "none"."""
+    if in_place and reduction != "none":  # no traffic when dloss is 1 (loss.backward())
+        return scale_in_place(dlogits, grad_loss.float().contiguous())
+    scale = grad_loss.unsqueeze(1) if reduction == "none" else grad_loss
+    return dlogits.mul_(scale) if in_place else dlogits * scale.to(dlogits.dtype)
+
+
+class _CrossEntropy(torch.autograd.Function):
+    """The eager path: the launcher called directly, the gradient saved from the
+    forward and scaled in place in the backward."""
+
+    @staticmethod
+    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets):
+        loss, dlogits = loss_and_grad(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                      check_targets)
+        ctx.dlogits, ctx.reduction = dlogits, reduction  # not saved tensors: scaled in place once
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        if ctx.dlogits is None:
+            raise RuntimeError(
+                f"{OP}: backward ran twice through the same cross entropy (retain_graph=True); the "
+                "gradient saved by the forward was scaled in place by the first backward"
+            )
+        grad = scaled_grad(ctx.dlogits, grad_loss, ctx.reduction, in_place=True)
+        ctx.dlogits = None
+        return grad, None, None, None, None, None, None
+
+
+# -- the custom ops, for torch.compile ----------------------------------------------------
+@torch.library.custom_op("tvm_fusion::cross_entropy_fused", mutates_args=())
+def _fused_op(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
+              reduction: str, label_smoothing: float, check_targets: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return loss_and_grad(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
+
+
+@_fused_op.register_fake
+def _(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets):
+    return _fake_loss(logits, reduction), torch.empty_like(logits)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.reduction = inputs[4]
+    ctx.save_for_backward(output[1])
+    ctx.mark_non_differentiable(output[1])
+
+
+def _fused_backward(ctx, grad_loss, grad_dlogits):
+    (dlogits,) = ctx.saved_tensors
+    return scaled_grad(dlogits, grad_loss, ctx.reduction, in_place=False), None, None, None, None, None, None
+
+
+_fused_op.register_autograd(_fused_backward, setup_context=_setup_context)
+
+
+@torch.library.custom_op("tvm_fusion::cross_entropy", mutates_args=())
+def _forward_op(logits: torch.Tensor, target: torch.Tensor, weight: Optional[torch.Tensor], ignore_index: int,
+                reduction: str, label_smoothing: float, check_targets: bool) -> torch.Tensor:
+    return api.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
+
+
+@_forward_op.register_fake
+def _(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets):
+    return _fake_loss(logits, reduction)
+
+
+def _fake_loss(logits: torch.Tensor, reduction: str) -> torch.Tensor:
+    shape = (logits.shape[0],) if reduction == "none" else ()
+    return logits.new_empty(shape, dtype=torch.float32)
