@@ -1,0 +1,169 @@
+"""Forward + backward of cross entropy, as a training step runs it, on the GPU.
+
+Each provider's step is what training code writes: ``loss = f(logits, target)``
+then the gradient of the logits (``torch.autograd.grad``), issued back to back and
+timed with CUDA events (``timing.time_calls_gpu``: host work counts whenever it
+outlasts the kernels). The floor is reading the logits once and writing their
+gradient once at the measured copy bandwidth. Rows go to the bench CSV with op
+``cross_entropy_fwd_bwd``; every provider's loss and gradient are first checked
+against float64 torch (row blocks, so the largest shapes fit).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+from .bench import Case, Result, append_csv, hardware_name
+from .contracts.common import DTYPE_BYTES
+from .timing import copies_for, copy_bandwidth_gpu, time_calls_gpu
+
+OP = "cross_entropy_fwd_bwd"
+# The anchors' shapes (mean over valid rows, no weight, no smoothing).
+TRAIN_CASES = [
+    Case(OP, (4096, 32000), "float16"),
+    Case(OP, (8192, 128256), "bfloat16"),
+    Case(OP, (65536, 1000), "float16"),
+    Case(OP, (16384, 50257), "bfloat16"),
+    Case(OP, (128, 32000), "float16"),
+]
+FLOOR = "floor: read + write once"
+
+
+def floor_bytes(case: Case) -> int:
+    batch, classes = case.shape
+    return 2 * batch * classes * DTYPE_BYTES[case.dtype] + 8 * batch
+
+
+@dataclasses.dataclass
+class Step:
+    name: str
+    run: Callable[[Any, Any], tuple[Any, Any]]  # (logits, target) -> (loss, dlogits)
+    in_place: bool = False  # writes the gradient over the logits: needs its own copies
+
+
+def providers(case: Case) -> list[Step]:
+    import torch
+    import torch.nn.functional as F
+
+    from . import torch as tft
+
+    def autograd(loss_fn):
+        def run(x, t):
+            x = x.detach().requires_grad_()
+            loss = loss_fn(x, t)
+            (grad,) = torch.autograd.grad(loss, x)
+            return loss, grad
+        return run
+
+    steps = [
+        Step("tvm_fusion.torch", autograd(tft.cross_entropy)),
+        Step("tvm_fusion.torch (check_targets=False)", autograd(lambda x, t: tft.cross_entropy(x, t, check_targets=False))),
+        Step("torch eager", autograd(F.cross_entropy)),
+        Step("torch.compile", autograd(torch.compile(F.cross_entropy))),
+    ]
+    try:
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+
+        def liger(x, t):
+            loss = LigerCrossEntropyFunction.apply(x, t, None, -100, 0.0, 0.0, "mean")
+            return loss[0] if isinstance(loss, tuple) else loss
+
+        steps.append(Step("Liger (grad in forward)", autograd(liger), in_place=True))
+    except ImportError:
+        pass
+    try:
+        from quack.cross_entropy import cross_entropy as quack_ce
+
+        params = inspect.signature(quack_ce).parameters
+        mean = {"reduction": "mean"} if "reduction" in params else {}  # older releases: per-row losses
+
+        def quack(x, t, **extra):
+            loss = quack_ce(x, t, **mean, **extra)
+            return loss if mean else loss.mean()
+
+        if "inplace_backward" in params:
+            steps.append(Step("Quack (dx in forward, in place)",
+                              autograd(lambda x, t: quack(x, t, inplace_backward=True)), in_place=True))
+        else:
+            steps.append(Step("Quack", autograd(quack)))
+    except Exception:  # noqa: BLE001 - Quack is optional (and needs CuTe DSL)
+        pass
+    return steps
+
+
+def check(case: Case, loss: Any, grad: Any, logits: Any, target: Any) -> str | None:
+    """None when ``loss`` and ``grad`` match float64 torch, else what is off."""
+    import torch
+
+    batch = logits.shape[0]
+    ref_loss, worst, scale = 0.0, 0.0, 0.0
+    for start in range(0, batch, 2048):
+        x = logits[start : start + 2048].double()
+        t = target[start : start + 2048]
+        lse = torch.logsumexp(x, dim=1)
+        ref_loss += float((lse - x.gather(1, t[:, None])[:, 0]).sum())
+        ref = torch.softmax(x, dim=1)
+        ref[torch.arange(x.shape[0], device=x.device), t] -= 1.0
+        ref /= batch
+        scale = max(scale, float(ref.abs().max()))
+        worst = max(worst, float((grad[start : start + 2048].double() - ref).abs().max()))
+    ref_loss /= batch
+    got = float(loss.detach())
+    if not abs(got - ref_loss) <= 2e-3 * abs(ref_loss):
+        return f"wrong: loss {got:.6g} vs {ref_loss:.6g}"
+    if not worst <= 2e-2 * scale:
+        return f"wrong: gradient off by {worst:.3g} (largest {scale:.3g})"
+    return None
+
+
+def run(cases: list[Case] | None = None, csv_path: str | None = None, log=print,
+        copy_gb_s: float | None = None) -> list[Result]:
+    """Check and time every provider's training step on each case."""
+    import torch
+
+    cases = cases or TRAIN_CASES
+    hardware = hardware_name(True)
+    copy_gb_s = copy_gb_s or copy_bandwidth_gpu()
+    results: list[Result] = []
+    for case in cases:
+        batch, classes = case.shape
+        nbytes = floor_bytes(case)
+        log(f"{case.label()}: floor {nbytes / copy_gb_s / 1e6:.4f} ms ({nbytes / 1e6:.1f} MB read + written)")
+        rows = [Result(case, FLOOR, nbytes / copy_gb_s / 1e6, nbytes, "copy bandwidth", "ok")]
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        logits = (torch.randn(batch, classes, device="cuda", generator=gen) * 2).to(getattr(torch, case.dtype))
+        target = torch.randint(0, classes, (batch,), device="cuda", generator=gen)
+        sets = max(1, copies_for(nbytes // 2))
+        inputs = [(logits if i == 0 else logits.clone(), target) for i in range(sets)]
+        for step in providers(case):
+            try:
+                loss, grad = step.run(logits.clone(), target)
+                torch.cuda.synchronize()
+                wrong = check(case, loss, grad, logits, target)
+                del loss, grad
+                if wrong:
+                    rows.append(Result(case, step.name, None, nbytes, "-", wrong))
+                    log(f"  {step.name:<44} {wrong}")
+                    continue
+                own = [(x.clone(), t) for x, t in inputs] if step.in_place else inputs
+                calls = [lambda x=x, t=t: step.run(x, t) for x, t in own]
+                ms, method = time_calls_gpu(calls)
+                del own, calls
+                rows.append(Result(case, step.name, ms, nbytes, method + " (fwd+bwd)", "ok"))
+                log(f"  {step.name:<44} {ms:9.4f} ms  {nbytes / ms / 1e6:8.1f} GB/s  "
+                    f"{nbytes / ms / 1e6 / copy_gb_s:6.1%} of copy")
+            except Exception as err:  # noqa: BLE001 - report and go on with the others
+                torch.cuda.synchronize()
+                why = f"failed: {type(err).__name__}: {str(err)[:160]}"
+                rows.append(Result(case, step.name, None, nbytes, "-", why))
+                log(f"  {step.name:<44} {why}")
+            torch.cuda.empty_cache()
+        results.extend(rows)
+        if csv_path:
+            append_csv(rows, csv_path, hardware, copy_gb_s)
+        del inputs, logits, target
+        torch.cuda.empty_cache()
+    return results
