@@ -196,3 +196,14 @@ def test_a_reduced_loss_is_a_0d_parameter_and_the_kernel_code_is_the_same():
     loss = tf.cross_entropy(logits, target, reduction="sum")
     assert loss.shape == () and np.isclose(loss, ce_ref.reference(logits, target, reduction="sum"), rtol=1e-5)
 
+
+def test_kernels_past_two_to_the_31_elements_get_the_same_signature_edits():
+    """int64-indexed kernels print their shapes as T.int64(...): the alignment and the
+    0-d loss apply to them too (a (1,) loss there broke the gradient's scaling)."""
+    from tvm_fusion.kernel import compiled_form
+
+    problem = tf.make_problem("cross_entropy", (32768, 151936), "bfloat16")
+    sch, _ = schedule_for(problem, targets.resolve("cuda"), "cross_entropy_online")
+    params = compiled_form(sch.mod, problem)["main"].params
+    assert [p.data_alignment for p in params] == [16] * len(params)
+    assert [tuple(int(d) for d in p.shape) for p in params][-2:] == [(), (1,)]

@@ -71,7 +71,8 @@ PARAM_ALIGNMENT = 16
 # scalar, as torch's is; a (1,) parameter would cost every call a view (2.3 us of
 # host time on the H200's host, more than the rest of the argument handling).
 SCALAR_PARAMS = ("loss", "dloss")
-_BUFFER_PARAM = re.compile(r'T\.Buffer\((\([^)]*\)), ("\w+")\)')
+# A parameter buffer: its shape may hold T.int64(...) dims (kernels past 2^31 elements).
+_BUFFER_PARAM = re.compile(r'T\.Buffer\((\((?:[^()]|\([^()]*\))*\)), ("\w+")\)')
 
 
 def with_param_alignment(mod: tvm.IRModule, alignment: int = PARAM_ALIGNMENT,
@@ -91,12 +92,14 @@ def with_param_alignment(mod: tvm.IRModule, alignment: int = PARAM_ALIGNMENT,
             body_indent = lines[i + 1][: len(lines[i + 1]) - len(lines[i + 1].lstrip())]
             first = i + 2 if lines[i + 1].lstrip().startswith("T.func_attr(") else i + 1  # the body's first line
             for name in scalars:
-                param = re.search(rf"\b{name}: T\.Buffer\(\(1,\), (\"\w+\"), align={alignment}\)", lines[i])
+                # (1,), or (T.int64(1),) in a kernel that indexes with int64 (past 2^31 elements)
+                param = re.search(rf"\b{name}: T\.Buffer\((\((?:1|T\.int64\(1\)),\)), (\"\w+\"), "
+                                  rf"align={alignment}\)", lines[i])
                 if param:
-                    dtype = param.group(1)
+                    shape, dtype = param.group(1), param.group(2)
                     lines[i] = (lines[i][: param.start()] + f"{name}_0d: T.Buffer((), {dtype}, align={alignment})"
                                 + lines[i][param.end() :])
-                    lines.insert(first, f"{body_indent}{name} = T.decl_buffer((1,), {dtype}, data={name}_0d.data, "
+                    lines.insert(first, f"{body_indent}{name} = T.decl_buffer({shape}, {dtype}, data={name}_0d.data, "
                                         f"align={alignment})")
             break
     else:  # pragma: no cover - every module here has a main
