@@ -136,6 +136,8 @@ def test_cli_help(sub):
         (["build", "--ops", "nope"], "unknown op 'nope'"),
         (["bench", "--ops", "bn_stats", "--shapes", "2x3x-1"], "malformed shape"),
         (["show", "bn_stats", "2x3x4", "--target", '{"kind": "cuda"'], "not valid JSON"),
+        (["bench", "--ops", "cross_entropy_grad"], "unknown op 'cross_entropy_grad'"),
+        (["show", "cross_entropy_grad", "4x8", "--label-smoothing", "2"], "label_smoothing"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(args, words):
@@ -223,3 +225,24 @@ def test_candidate_records_give_each_candidates_fastest_record_of_this_problem(t
     fastest = min(best, key=lambda f: f.seconds)
     assert found[fastest.candidate][0] == fastest.knobs
     assert bench.candidate_records(tf.make_problem("cross_entropy", (16, 128), "float32"), CPU, log_dir) == {}
+
+
+def test_the_gradient_is_tuned_and_dispatched_like_the_forward(tmp_path):
+    """tf.tune / explain / build take cross_entropy_grad: MetaSchedule measures its
+    candidates, dispatch then picks the record, and the CLI shows and builds it."""
+    shape, options = (32, 256), {"label_smoothing": 0.1}
+    result = tf.tune("cross_entropy_grad", shape, "float32", target="llvm", trials=2, log_dir=str(tmp_path), **options)
+    ((key, (candidate, seconds)),) = result.best.items()
+    assert key.startswith("cross_entropy_grad_32x256") and candidate.startswith("cross_entropy_grad") and seconds > 0
+    problem = tf.make_problem("cross_entropy_grad", shape, "float32", **options)
+    choice = dispatch.choose(problem, CPU, str(tmp_path))
+    assert choice.source == "record" and choice.candidate == candidate
+    assert "tuning record" in tf.explain("cross_entropy_grad", shape, "float32", "llvm", log_dir=str(tmp_path), **options)
+    from_lse = tf.build("cross_entropy_grad", shape, "float32", target="llvm", mode="from_lse", reduction="sum")
+    assert from_lse.candidate == "cross_entropy_grad_from_lse_parallel" and from_lse.problem.mode == "from_lse"
+    with pytest.raises(TypeError, match="unknown option"):
+        tf.make_problem("cross_entropy", shape, "float32", mode="fused")
+    out = subprocess.run(CLI + ["show", "cross_entropy_grad", "8x100", "--dtype", "float32", "--target", "llvm",
+                                "--mode", "from_lse"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "cross_entropy_grad (from_lse)" in out.stdout and "LLVM IR" in out.stdout

@@ -20,10 +20,14 @@ from .contracts import (
     cross_entropy_problem,
 )
 from .contracts.common import check_bool, check_choice
+from .contracts.cross_entropy_grad import cross_entropy_grad_problem
 from .dispatch import kernel_for
 from .kernel import Kernel
 
-OPS = ("bn_stats", "cross_entropy")
+OPS = ("bn_stats", "cross_entropy")  # the calls
+# What build, tune, explain and the CLI's tune/build/show take: the calls' kernels and
+# the cross entropy gradient's (tvm_fusion.torch launches those).
+KERNEL_OPS = OPS + ("cross_entropy_grad",)
 
 # The hot path: a launcher per call signature (every argument's kind, shape, dtype,
 # device and layout, and the options), built once after the contract's checks.
@@ -167,9 +171,10 @@ def build(op: str, shape: Any, dtype: str = "float32", target: Any = "cuda", **o
 
     ``build("bn_stats", shape=(N, C, H, W), dtype=..., target=..., layout="NCHW")``;
     ``build("cross_entropy", shape=(B, V), dtype=..., target=..., target_dtype="int64",
-    weight=False, ignore_index=-100, reduction="mean", label_smoothing=0.0)``.
+    weight=False, ignore_index=-100, reduction="mean", label_smoothing=0.0)``;
+    ``build("cross_entropy_grad", ..., mode="fused")`` (or "from_lse") with the same
+    options: the gradient kernel ``tvm_fusion.torch`` launches.
     """
-    check_choice("build", "op", op, OPS)
     problem = make_problem(op, shape, dtype, **options)
     return kernel_for(problem, targets.resolve(target))
 
@@ -220,26 +225,33 @@ def explain(op: str, shape: Any, dtype: str = "float32", target: Any = "cuda",
 
 
 def make_problem(op: str, shape: Any, dtype: str, **options: Any):
-    """The contract's problem for ``op`` from a shape, a dtype and keyword options."""
-    check_choice("build", "op", op, OPS)
+    """The contract's problem for ``op`` from a shape, a dtype and keyword options
+    (``cross_entropy_grad`` takes cross_entropy's options and ``mode``, "fused" or
+    "from_lse")."""
+    check_choice("build", "op", op, KERNEL_OPS)
     if op == "bn_stats":
         unknown = set(options) - {"layout"}
         if unknown:
             raise TypeError(f"bn_stats: unknown option(s) {sorted(unknown)}; known: ['layout']")
         return bn_stats_problem(shape, dtype, options.get("layout", "NCHW"))
     known = {"target_dtype", "weight", "ignore_index", "reduction", "label_smoothing"}
+    if op == "cross_entropy_grad":
+        known.add("mode")
     unknown = set(options) - known
     if unknown:
-        raise TypeError(f"cross_entropy: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
+        raise TypeError(f"{op}: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
     shape = tuple(shape) if not isinstance(shape, (str, bytes)) else shape
     batch = shape[0] if isinstance(shape, tuple) and shape else None
     classes = shape[1] if isinstance(shape, tuple) and len(shape) > 1 else None
-    return cross_entropy_problem(
+    args = (
         shape, dtype, None if batch is None else (batch,), options.get("target_dtype", "int64"),
         (classes,) if options.get("weight") else None, "float32",
         options.get("ignore_index", -100), options.get("reduction", "mean"),
         options.get("label_smoothing", 0.0),
     )
+    if op == "cross_entropy_grad":
+        return cross_entropy_grad_problem(*args, mode=options.get("mode", "fused"))
+    return cross_entropy_problem(*args)
 
 
 def _as_float32(weight: Any) -> Any:

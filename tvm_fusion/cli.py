@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from . import OPS
+from .api import KERNEL_OPS
 
 EXIT_USAGE = 2
 
@@ -32,11 +33,11 @@ def parse_shape(text: str) -> tuple[int, ...]:
     return dims
 
 
-def parse_ops(text: str) -> list[str]:
+def parse_ops(text: str, allowed: tuple[str, ...] = KERNEL_OPS) -> list[str]:
     ops = [o.strip() for o in text.split(",") if o.strip()]
     for op in ops:
-        if op not in OPS:
-            raise UsageError(f"unknown op {op!r}: choose from {', '.join(OPS)}")
+        if op not in allowed:
+            raise UsageError(f"unknown op {op!r}: choose from {', '.join(allowed)}")
     return ops
 
 
@@ -69,7 +70,7 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     opts: dict[str, Any] = {}
     if getattr(args, "layout", None):
         opts["layout"] = args.layout
-    for name in ("reduction", "label_smoothing", "ignore_index"):
+    for name in ("reduction", "label_smoothing", "ignore_index", "mode"):
         value = getattr(args, name, None)
         if value is not None:
             opts[name] = value
@@ -84,6 +85,8 @@ def _problem(op: str, shape: tuple[int, ...], dtype: str, args: argparse.Namespa
         options = {k: v for k, v in options.items() if k == "layout"}
     else:
         options.pop("layout", None)
+        if op != "cross_entropy_grad":
+            options.pop("mode", None)
     try:
         return make_problem(op, shape, dtype, **options)
     except (ValueError, TypeError) as err:
@@ -115,7 +118,7 @@ def _cases(args: argparse.Namespace, on_gpu: bool, benched: bool = False) -> lis
     table's (which the shipped logs tune), plus the bench's extra cases when ``benched``."""
     from . import bench
 
-    ops = parse_ops(args.ops)
+    ops = parse_ops(args.ops, OPS if benched else KERNEL_OPS)
     if args.shapes:
         if len(ops) != 1:
             raise UsageError("--shapes needs exactly one op in --ops")
@@ -123,8 +126,9 @@ def _cases(args: argparse.Namespace, on_gpu: bool, benched: bool = False) -> lis
         cases = [(ops[0], parse_shape(s), dtype, _options(args)) for s in args.shapes]
     else:
         defaults = bench.default_cases(on_gpu) if benched else (bench.GPU_CASES if on_gpu else bench.CPU_CASES)
-        cases = [(c.op, c.shape, parse_dtype(args.dtype) if args.dtype else c.dtype, dict(c.options))
-                 for c in defaults if c.op in ops]
+        # the gradient's default shapes are the forward's
+        cases = [(op, c.shape, parse_dtype(args.dtype) if args.dtype else c.dtype, dict(c.options))
+                 for op in ops for c in defaults if c.op == op.removesuffix("_grad")]
     for op, shape, dtype, options in cases:
         _problem(op, shape, dtype, argparse.Namespace(**{**vars(args), **options}))
     return cases
@@ -251,7 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add_cases(p: argparse.ArgumentParser, target: bool = True) -> None:
-        p.add_argument("--ops", default=",".join(OPS), help="comma-separated ops (default: both)")
+        p.add_argument("--ops", default=",".join(OPS),
+                       help=f"comma-separated ops (default: {','.join(OPS)}; tune, build and show also "
+                       "take cross_entropy_grad)")
         p.add_argument("--shapes", nargs="+", help="shapes like 4096x32000 (default: the bench shapes)")
         p.add_argument("--dtype", help="input dtype (default: each default shape's own, float16 for --shapes)")
         if target:
@@ -263,6 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("--reduction", choices=["none", "mean", "sum"], help="cross_entropy reduction")
         p.add_argument("--label-smoothing", dest="label_smoothing", type=float, help="cross_entropy label smoothing")
         p.add_argument("--ignore-index", dest="ignore_index", type=int, help="cross_entropy ignore_index")
+        p.add_argument("--mode", choices=["fused", "from_lse"],
+                       help="cross_entropy_grad: the gradient in the forward (fused) or from the saved lse")
 
     bench = sub.add_parser("bench", help="time every candidate, the default pick and the peers")
     add_cases(bench, target=False)
@@ -299,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_relax(sub)
 
     show = sub.add_parser("show", help="print contract, TE compute, scheduled TIR, trace and source")
-    show.add_argument("op", help="bn_stats or cross_entropy")
+    show.add_argument("op", help="bn_stats, cross_entropy or cross_entropy_grad")
     show.add_argument("shape", help="e.g. 64x256x56x56")
     show.add_argument("--dtype", default="float16")
     show.add_argument("--target", default="cuda", help="cuda, llvm or a JSON target dict")
