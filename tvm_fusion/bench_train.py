@@ -3,7 +3,9 @@
 Each provider's step is what training code writes: ``loss = f(logits, target)``
 then the gradient of the logits (``torch.autograd.grad``), issued back to back and
 timed with CUDA events (``timing.time_calls_gpu``: host work counts whenever it
-outlasts the kernels). The floor is reading the logits once and writing their
+outlasts the kernels). Beside them, each fused gradient candidate's kernels alone
+(``tvm_fusion:<candidate>`` and the default pick, CUDA-graph replay): the loss and
+the gradient of the mean in one launch sequence, what a step costs the GPU. The floor is reading the logits once and writing their
 gradient once at the measured copy bandwidth. Rows go to the bench CSV with op
 ``cross_entropy_fwd_bwd``; every provider's loss and gradient are first checked
 against float64 torch (row blocks, so the largest shapes fit).
@@ -18,7 +20,7 @@ from typing import Any
 
 from .bench import Case, Result, append_csv, hardware_name
 from .contracts.common import DTYPE_BYTES
-from .timing import copies_for, copy_bandwidth_gpu, time_calls_gpu
+from .timing import copies_for, copy_bandwidth_gpu, time_calls_gpu, time_gpu
 
 OP = "cross_entropy_fwd_bwd"
 # The anchors' shapes (mean over valid rows, no weight, no smoothing).
@@ -94,6 +96,32 @@ def providers(case: Case) -> list[Step]:
     return steps
 
 
+def kernel_steps(case: Case) -> list[tuple[str, Any]]:
+    """Every applicable fused gradient candidate with its default knobs, and dispatch's
+    pick: the kernels alone (graph replay), beside the user's steps."""
+    from .api import make_problem
+    from .dispatch import choose
+    from .kernel import build_kernel
+    from . import registry, targets
+
+    problem = make_problem("cross_entropy_grad", case.shape, case.dtype, mode="fused")
+    target = targets.resolve("cuda")
+    kernels = [(f"tvm_fusion:{c.name}", build_kernel(problem, target, c.name))
+               for c in registry.applicable(problem, target)]
+    choice = choose(problem, target)
+    kernels.append(("tvm_fusion (default)", build_kernel(problem, target, choice.candidate, choice.knobs,
+                                                       choice.source)))
+    return kernels
+
+
+def _kernel_launch(kernel: Any, logits: Any, target: Any) -> tuple[Callable[[], None], Any, Any]:
+    import torch
+
+    outs = [torch.empty(shape, dtype=getattr(torch, dtype), device="cuda") for _, shape, dtype in kernel.outputs]
+    names = [name for name, _, _ in kernel.outputs]
+    return (lambda: kernel.func(logits, target, *outs)), outs[names.index("loss")], outs[names.index("dlogits")]
+
+
 def check(case: Case, loss: Any, grad: Any, logits: Any, target: Any) -> str | None:
     """None when ``loss`` and ``grad`` match float64 torch, else what is off."""
     import torch
@@ -138,6 +166,28 @@ def run(cases: list[Case] | None = None, csv_path: str | None = None, log=print,
         target = torch.randint(0, classes, (batch,), device="cuda", generator=gen)
         sets = max(1, copies_for(nbytes // 2))
         inputs = [(logits if i == 0 else logits.clone(), target) for i in range(sets)]
+        for name, kernel in kernel_steps(case):  # the kernels alone, under graph replay
+            try:
+                launch, loss, grad = _kernel_launch(kernel, logits, target)
+                grad.fill_(float("nan"))
+                launch()
+                torch.cuda.synchronize()
+                wrong = check(case, loss, grad, logits, target)
+                if wrong:
+                    rows.append(Result(case, name, None, nbytes, "-", wrong))
+                    log(f"  {name:<44} {wrong}")
+                    continue
+                launches = [_kernel_launch(kernel, x, t)[0] for x, t in inputs]
+                ms, method = time_gpu(launches)
+                rows.append(Result(case, name, ms, nbytes, method, "ok"))
+                log(f"  {name:<44} {ms:9.4f} ms  {nbytes / ms / 1e6:8.1f} GB/s  "
+                    f"{nbytes / ms / 1e6 / copy_gb_s:6.1%} of copy")
+                del launches, loss, grad
+            except Exception as err:  # noqa: BLE001 - report and go on with the others
+                torch.cuda.synchronize()
+                rows.append(Result(case, name, None, nbytes, "-", f"failed: {type(err).__name__}: {str(err)[:160]}"))
+                log(f"  {name:<44} failed: {err}")
+            torch.cuda.empty_cache()
         for step in providers(case):
             try:
                 loss, grad = step.run(logits.clone(), target)

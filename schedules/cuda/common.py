@@ -113,17 +113,19 @@ def schedule_grad_batch_stage(sch: s_tir.Schedule, problem) -> None:
 
 
 def grad_map(
-    sch: s_tir.Schedule, keep_outer: int, threads, vector, unroll_step, thread_axis: str = "threadIdx.x"
+    sch: s_tir.Schedule, keep_outer: int, threads, vector, unroll_step, thread_axis: str = "threadIdx.x",
+    staged: str = "logits",
 ) -> None:
     """``dlogits`` over the row laid out ``[threadIdx, serial, vector]`` (consecutive
-    lanes, consecutive vectors): per step a lane loads ``vector`` logits with one
-    load into registers, computes the gradient there in float32 and stores the
-    ``vector`` results with one store (16 bytes each way when ``vector * bytes ==
-    16``). The per-row coefficients must already be at the row, in registers."""
+    lanes, consecutive vectors): per step a lane loads ``vector`` logits (from
+    ``staged``: the logits, or their copy in shared memory) with one load into
+    registers, computes the gradient there in float32 and stores the ``vector``
+    results with one store (16 bytes each way when ``vector * bytes == 16``). The
+    per-row coefficients must already be at the row, in registers."""
     block = sch.get_sblock("dlogits")
     _, serial, vec = lanes_split(sch, block, keep_outer, threads, vector, unroll_step, thread_axis)
     sch.unroll(vec)
-    stage_in_registers(sch, block, "logits", serial)
+    stage_in_registers(sch, block, staged, serial)
     store = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(store, serial, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(store)[-1])

@@ -1,0 +1,86 @@
+"""Cross entropy and its gradient, one block per row, the row read from HBM once.
+
+Pattern ``t(R) -> denom, first_bad | x(SR) -> max(S) -> exp, sum(S) -> lse, row_loss,
+coef(S) -> dlogits(SS) | row_loss(R) -> loss``, the ``fused`` decomposition with the
+row copied into dynamic shared memory first: the two statistics and the gradient
+then sweep shared memory, so a training step reads the logits once and writes the
+gradient once (``cross_entropy_grad_block_per_row`` sweeps the row three times, the
+later sweeps from L2 at best). For rows that fit beside a second block on an SM
+(V * bytes <= 112 KB), e.g. V = 32000 fp16 (64 KB) or V = 50257 bf16 (100 KB).
+
+Kernel 1, one block: the targets pass. Kernel 2, grid (B,):
+1. Every per-row block shares one row loop (``merge_rows``) bound to ``blockIdx.x``.
+2. The row is copied in with 16-byte global loads, ``[threadIdx.x, serial, vector]``.
+3. ``row_max`` then ``row_sumexp`` over shared memory, 16-byte chunks into registers,
+   shuffles plus one shared hop; both statistics stay in every thread's registers.
+4. ``dlogits`` over shared memory, the gradient in float32, 16-byte global stores.
+5. Thread 0 writes ``lse`` and the row loss (``row_order``).
+Kernel 3, one block: the loss.
+
+Not dispatched by default yet (``prefers`` is False): it has run only through code
+generation; a tuning record picks it where it wins.
+"""
+
+from __future__ import annotations
+
+from tvm.target import Target
+
+from tvm_fusion.contracts import CrossEntropyGradProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, register
+
+from ..common import coefficients_at, lanes_split, merge_rows, outputs_to, read_index, single_thread, thread_reduce
+from .common import grad_map, row_order, schedule_grad_batch_stage, schedule_grad_prologue, spans_two_vectors
+from .cross_entropy_row_in_shared import ROW_BYTES_MAX, CrossEntropyRowInShared, RowInSharedKnobs
+
+
+@register
+class CrossEntropyGradRowInShared(Candidate):
+    name = "cross_entropy_grad_row_in_shared"
+    op = "cross_entropy_grad"
+    target_kind = "cuda"
+    algorithm = "fused"
+    knobs = RowInSharedKnobs  # the forward's knobs: the same launch shape
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyGradProblem) -> bool:
+        return (problem.op == self.op and problem.mode == "fused"
+                and problem.classes * DTYPE_BYTES[problem.dtype] <= ROW_BYTES_MAX
+                and spans_two_vectors(problem.classes, problem.dtype))
+
+    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
+        return False  # until it has run on a GPU and a bench or record says where it wins
+
+    # The forward's space and default: the same launch shape over the same row.
+    choices = CrossEntropyRowInShared.choices
+    default_for = CrossEntropyRowInShared.default_for
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        # Kernel 1: the targets pass.
+        schedule_grad_prologue(sch, problem)
+        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
+        coefficients_at(sch, problem, dlogits_row, "local")
+        # 2. The copy of the row that the statistics and the gradient read.
+        row_max, row_sum, dlogits = (sch.get_sblock(n) for n in ("row_max", "row_sumexp", "dlogits"))
+        copy = sch.cache_read(row_max, read_index(sch, row_max, "logits"), "shared.dyn",
+                              consumer_blocks=[row_max, row_sum, dlogits])
+        shared = sch.get(copy).writes[0].source.name
+        # 1. One row loop, one block per row.
+        loss = "loss" if problem.reduction == "none" else "row_loss"
+        row = merge_rows(sch, row_order(loss))
+        sch.bind(row, "blockIdx.x")
+        sch.compute_at(copy, row, preserve_unit_loops=True)
+        _, _, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
+        sch.vectorize(vec)
+        # 3. Both statistics over shared memory, kept in registers.
+        for name in ("row_max", "row_sumexp"):
+            block = sch.get_sblock(name)
+            thread_reduce(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll, shared)
+            outputs_to(sch, block, "local")
+        # 4. The gradient from shared memory.
+        grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll, staged=shared)
+        # 5. lse and the row loss on thread 0.
+        for name in ("lse", loss):
+            single_thread(sch, sch.get_sblock(name), knobs.threads)
+        # Kernel 3: the loss.
+        schedule_grad_batch_stage(sch, problem)
