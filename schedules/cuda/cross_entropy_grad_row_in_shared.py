@@ -17,6 +17,11 @@ Kernel 1, one block: the targets pass. Kernel 2, grid (B,):
 5. Thread 0 writes ``lse`` and the row loss (``row_order``).
 Kernel 3, one block: the loss.
 
+Not used: the row in registers (a local buffer written under one threadIdx loop and
+read under others cannot be compacted per thread: the forward candidate's 268 MB
+workspace); rows over 112 KB (one block per SM would hide no latency: those go to
+``cross_entropy_grad_online``).
+
 Not dispatched by default yet (``prefers`` is False): it has run only through code
 generation; a tuning record picks it where it wins.
 """
