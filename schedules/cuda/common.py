@@ -10,7 +10,7 @@ from tvm import s_tir
 
 from tvm_fusion.contracts.common import DTYPE_BYTES
 
-from ..common import lanes_split, outputs_to, single_thread, stage_in_registers
+from ..common import lanes_split, outputs_to, read_index, single_thread, stage_in_registers, unroll
 
 MAX_THREADS = 1024
 WARP = 32
@@ -129,6 +129,28 @@ def grad_map(
     store = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(store, serial, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(store)[-1])
+
+
+def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str) -> None:
+    """The online (max, sum of exponentials) of the row the block is bound to: its
+    16-byte chunks strided across ``threads`` lanes (``unroll_step`` a step), each
+    chunk loaded once into registers and reduced there (``chunk_max``,
+    ``chunk_sumexp``), the lanes' partial pairs combined into ``row_online``, whose
+    result lives in ``scope``."""
+    online = sch.get_sblock("row_online")
+    serial, lane = sch.split(sch.get_loops(online)[-1], [None, threads])
+    sch.reorder(lane, serial)
+    sch.bind(lane, "threadIdx.x")
+    unroll(sch, serial, unroll_step)
+    outputs_to(sch, online, scope)
+    chunk_sum, chunk_max = sch.get_sblock("chunk_sumexp"), sch.get_sblock("chunk_max")
+    for block in (chunk_sum, chunk_max):
+        sch.compute_at(block, serial, preserve_unit_loops=True)
+        outputs_to(sch, block, "local")
+    stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, "logits"), "local",
+                           consumer_blocks=[chunk_max, chunk_sum])
+    sch.compute_at(stage, serial, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(stage)[-1])
 
 
 def row_order(loss: str, statistics: tuple[str, ...] = ("row_max", "row_sumexp")) -> list[str]:

@@ -30,18 +30,12 @@ second pass over ``dlogits`` (two more passes over B x V).
 
 from __future__ import annotations
 
-from tvm.target import Target
-
 from tvm_fusion.contracts import CrossEntropyGradProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
-from tvm_fusion.registry import Candidate, ladder, register
+from tvm_fusion.registry import Candidate, register
 
 from ..common import coefficients_at, merge_rows, outputs_to, single_thread, thread_reduce
-from .cross_entropy_block_per_row import BlockPerRowKnobs
-from .common import (
-    MAX_THREADS, row_order, THREADS_BY_VECTORS, grad_map, schedule_grad_batch_stage, schedule_grad_prologue,
-    spans_two_vectors, vector_choices, widest_vector,
-)
+from .cross_entropy_block_per_row import BlockPerRowKnobs, CrossEntropyBlockPerRow
+from .common import grad_map, row_order, schedule_grad_batch_stage, schedule_grad_prologue
 
 
 @register
@@ -54,20 +48,11 @@ class CrossEntropyGradBlockPerRow(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
-        return (problem.op == self.op and problem.mode == "fused"
-                and spans_two_vectors(problem.classes, problem.dtype))
+        return problem.mode == "fused" and CrossEntropyBlockPerRow.applies(self, problem)
 
-    def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
-        return {
-            "threads": [64, 128, 256, 512, 1024],
-            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.classes),
-            "unroll": [1, 4, 16, 64],
-        }
-
-    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> BlockPerRowKnobs:
-        vector = widest_vector(problem.dtype, problem.classes)
-        threads = ladder(problem.classes // vector, THREADS_BY_VECTORS, MAX_THREADS)
-        return BlockPerRowKnobs(threads=threads, vector=vector, unroll=16)
+    # The forward's space and default: the same launch shape over the same row.
+    choices = CrossEntropyBlockPerRow.choices
+    default_for = CrossEntropyBlockPerRow.default_for
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         # Kernel 1: the targets pass.

@@ -39,15 +39,14 @@ from tvm.target import Target
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
-from tvm_fusion.targets import sm_count
 
-from ..common import coefficients_at, merge_rows, outputs_to, read_index, single_thread, unroll
+from ..common import coefficients_at, merge_rows, single_thread
 from .common import (
     MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, grad_map, row_order, schedule_grad_batch_stage,
-    schedule_grad_prologue, vector_choices, widest_vector,
+    online_chunks, schedule_grad_prologue, vector_choices, widest_vector,
 )
+from .cross_entropy_online import CrossEntropyOnline
 
-ONLINE_ROW_BYTES = 8192
 
 
 @dataclass(frozen=True)
@@ -69,12 +68,9 @@ class CrossEntropyGradOnline(Candidate):
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
         return problem.op == self.op and problem.mode == "fused"
 
-    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
-        # The forward's threshold (cross_entropy_online): one HBM read of the row for
-        # the statistics pays once rows are long and fill the GPU. Not measured for
-        # the gradient yet.
-        return (problem.classes * DTYPE_BYTES[problem.dtype] >= ONLINE_ROW_BYTES
-                and problem.batch >= 2 * sm_count(target))
+    # The forward's threshold: one HBM read of the row for the statistics pays once
+    # rows are long and fill the GPU (not measured for the gradient yet).
+    prefers = CrossEntropyOnline.prefers
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
         return {
@@ -98,21 +94,7 @@ class CrossEntropyGradOnline(Candidate):
         row = merge_rows(sch, row_order(loss, ("row_online",)))
         sch.bind(row, "blockIdx.x")
         # 2. Chunks across the lanes; each chunk reduced in registers.
-        online = sch.get_sblock("row_online")
-        chunks = sch.get_loops(online)[-1]
-        serial, lane = sch.split(chunks, [None, knobs.threads])
-        sch.reorder(lane, serial)
-        sch.bind(lane, "threadIdx.x")
-        unroll(sch, serial, knobs.unroll)
-        outputs_to(sch, online, "local")
-        chunk_sum, chunk_max = sch.get_sblock("chunk_sumexp"), sch.get_sblock("chunk_max")
-        for block in (chunk_sum, chunk_max):
-            sch.compute_at(block, serial, preserve_unit_loops=True)
-            outputs_to(sch, block, "local")
-        stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, "logits"), "local",
-                               consumer_blocks=[chunk_max, chunk_sum])
-        sch.compute_at(stage, serial, preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(stage)[-1])
+        online_chunks(sch, knobs.threads, knobs.unroll, "local")
         # 4. The gradient over the row.
         grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll)
         # 3. lse and the row loss on thread 0.

@@ -31,12 +31,11 @@ from __future__ import annotations
 from tvm.target import Target
 
 from tvm_fusion.contracts import CrossEntropyGradProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, register
 
 from ..common import coefficients_at, lanes_split, merge_rows, outputs_to, read_index, single_thread, thread_reduce
-from .common import grad_map, row_order, schedule_grad_batch_stage, schedule_grad_prologue, spans_two_vectors
-from .cross_entropy_row_in_shared import ROW_BYTES_MAX, CrossEntropyRowInShared, RowInSharedKnobs
+from .common import grad_map, row_order, schedule_grad_batch_stage, schedule_grad_prologue
+from .cross_entropy_row_in_shared import CrossEntropyRowInShared, RowInSharedKnobs
 
 
 @register
@@ -49,9 +48,7 @@ class CrossEntropyGradRowInShared(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
-        return (problem.op == self.op and problem.mode == "fused"
-                and problem.classes * DTYPE_BYTES[problem.dtype] <= ROW_BYTES_MAX
-                and spans_two_vectors(problem.classes, problem.dtype))
+        return problem.mode == "fused" and CrossEntropyRowInShared.applies(self, problem)
 
     def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
         return False  # until it has run on a GPU and a bench or record says where it wins

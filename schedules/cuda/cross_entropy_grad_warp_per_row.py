@@ -29,18 +29,12 @@ between: the forward candidate's lesson from the GPU sweep).
 
 from __future__ import annotations
 
-from tvm.target import Target
-
 from tvm_fusion.contracts import CrossEntropyGradProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, register
 
 from ..common import coefficients_at, merge_rows, outputs_to, single_thread, thread_reduce
-from .cross_entropy_warp_per_row import MAX_VECTORS_PER_LANE, WarpPerRowKnobs
-from .common import (
-    WARP, grad_map, row_order, schedule_grad_batch_stage, schedule_grad_prologue, spans_two_vectors,
-    vector_choices, widest_vector,
-)
+from .cross_entropy_warp_per_row import CrossEntropyWarpPerRow, WarpPerRowKnobs
+from .common import WARP, grad_map, row_order, schedule_grad_batch_stage, schedule_grad_prologue
 
 @register
 class CrossEntropyGradWarpPerRow(Candidate):
@@ -52,26 +46,12 @@ class CrossEntropyGradWarpPerRow(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
-        # One row of one vector leaves no loop for the syncs (spans_two_vectors);
-        # with two rows or more the row loop is there.
-        return (problem.op == self.op and problem.mode == "fused"
-                and problem.classes <= WARP * MAX_VECTORS_PER_LANE * 8
-                and (problem.batch > 1 or spans_two_vectors(problem.classes, problem.dtype)))
+        return problem.mode == "fused" and CrossEntropyWarpPerRow.applies(self, problem)
 
-    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
-        vector = widest_vector(problem.dtype, problem.classes)
-        return problem.classes // vector <= WARP * 8
-
-    def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
-        return {
-            "rows": [1, 2, 4, 8, 16],
-            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.classes),
-            "unroll": [1, 4, 16],
-        }
-
-    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> WarpPerRowKnobs:
-        vector = widest_vector(problem.dtype, problem.classes)
-        return WarpPerRowKnobs(rows=4, vector=vector, unroll=16)
+    # The forward's preference, space and default: the same launch shape over the same row.
+    prefers = CrossEntropyWarpPerRow.prefers
+    choices = CrossEntropyWarpPerRow.choices
+    default_for = CrossEntropyWarpPerRow.default_for
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         # Kernel 1: the targets pass.

@@ -31,8 +31,8 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 from tvm_fusion.targets import sm_count
 
-from ..common import outputs_to, read_index, single_thread, unroll
-from .common import MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, schedule_ce_batch_stage
+from ..common import single_thread
+from .common import MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, online_chunks, schedule_ce_batch_stage
 
 ONLINE_ROW_BYTES = 8192
 
@@ -75,22 +75,8 @@ class CrossEntropyOnline(Candidate):
         (row,) = sch.get_loops(epilogue)
         sch.bind(row, "blockIdx.x")
         # 2. Chunks across the lanes; each chunk reduced in registers.
-        online = sch.get_sblock("row_online")
-        sch.compute_at(online, row, preserve_unit_loops=True)
-        chunks = sch.get_loops(online)[-1]
-        serial, lane = sch.split(chunks, [None, knobs.threads])
-        sch.reorder(lane, serial)
-        sch.bind(lane, "threadIdx.x")
-        unroll(sch, serial, knobs.unroll)
-        outputs_to(sch, online, "shared")
-        chunk_sum, chunk_max = sch.get_sblock("chunk_sumexp"), sch.get_sblock("chunk_max")
-        for block in (chunk_sum, chunk_max):
-            sch.compute_at(block, serial, preserve_unit_loops=True)
-            outputs_to(sch, block, "local")
-        stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, "logits"), "local",
-                               consumer_blocks=[chunk_max, chunk_sum])
-        sch.compute_at(stage, serial, preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(stage)[-1])
+        sch.compute_at(sch.get_sblock("row_online"), row, preserve_unit_loops=True)
+        online_chunks(sch, knobs.threads, knobs.unroll, "shared")
         # 3. The scalar transform on one thread, then the batch kernel.
         single_thread(sch, epilogue, knobs.threads)
         schedule_ce_batch_stage(sch, problem.reduction)
