@@ -17,31 +17,22 @@ flat loop over B x V (the row's coefficients would be looked up per element).
 
 from __future__ import annotations
 
-from tvm.target import Target
-
 from tvm_fusion.contracts import CrossEntropyGradProblem
-from tvm_fusion.registry import Candidate, register
+from tvm_fusion.registry import register
 
 from ..common import knob_value
-from .cross_entropy_grad_parallel import GradRowsParallelKnobs, grad_choices, grad_default, vectorized_map
+from .cross_entropy_grad_parallel import CrossEntropyGradParallel, vectorized_map
 
 
 @register
-class CrossEntropyGradFromLseParallel(Candidate):
+class CrossEntropyGradFromLseParallel(CrossEntropyGradParallel):
+    """Knobs, space and default are the fused sibling's (the same rows, the same map)."""
+
     name = "cross_entropy_grad_from_lse_parallel"
-    op = "cross_entropy_grad"
-    target_kind = "llvm"
     algorithm = "from_lse_poly_exp"
-    knobs = GradRowsParallelKnobs
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
         return problem.op == self.op and problem.mode == "from_lse"
-
-    def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
-        return grad_choices(problem)
-
-    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradRowsParallelKnobs:
-        return grad_default(problem)
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         # 2-3. Rows in parallel, the coefficients at the row, the map vectorized.

@@ -42,16 +42,6 @@ class GradRowsParallelKnobs(Knobs):
     parallel: int = 1  # 0: one core (small inputs)
 
 
-def grad_choices(problem: CrossEntropyGradProblem) -> dict[str, list[int]]:
-    return {"lanes": lane_choices(problem.classes), "parallel": parallel_choices(problem.numel)}
-
-
-def grad_default(problem: CrossEntropyGradProblem) -> GradRowsParallelKnobs:
-    lanes = lane_choices(problem.classes)
-    return GradRowsParallelKnobs(lanes=16 if 16 in lanes else max(lanes),
-                                 parallel=parallel_choices(problem.numel)[0])
-
-
 def vectorized_map(sch, problem: CrossEntropyGradProblem, knobs):
     """Steps shared with the from_lse candidate: the coefficients at the ``dlogits``
     row, the row's map split by ``lanes`` and vectorized. Returns the row loop."""
@@ -75,10 +65,12 @@ class CrossEntropyGradParallel(Candidate):
         return problem.op == self.op and problem.mode == "fused"
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
-        return grad_choices(problem)
+        return {"lanes": lane_choices(problem.classes), "parallel": parallel_choices(problem.numel)}
 
     def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradRowsParallelKnobs:
-        return grad_default(problem)
+        lanes = lane_choices(problem.classes)
+        return GradRowsParallelKnobs(lanes=16 if 16 in lanes else max(lanes),
+                                     parallel=parallel_choices(problem.numel)[0])
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         names = ("row_sumexp", "row_max")

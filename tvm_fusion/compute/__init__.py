@@ -15,8 +15,8 @@ from .cross_entropy_grad import ALGORITHMS as CE_GRAD_ALGORITHMS
 from .cross_entropy_grad import DEFAULT_FOR_MODE, MODE_OF, cross_entropy_grad_te
 
 ALGORITHMS = {"bn_stats": BN_ALGORITHMS, "cross_entropy": CE_ALGORITHMS, "cross_entropy_grad": CE_GRAD_ALGORITHMS}
-# cross_entropy_grad's default depends on the problem's mode: see default_algorithm.
-DEFAULT_ALGORITHM = {"bn_stats": "shifted", "cross_entropy": "three_pass", "cross_entropy_grad": "fused"}
+# cross_entropy_grad's default depends on the problem's mode (DEFAULT_FOR_MODE): see default_algorithm.
+DEFAULT_ALGORITHM = {"bn_stats": "shifted", "cross_entropy": "three_pass"}
 
 
 def default_algorithm(problem: Problem) -> str:

@@ -109,13 +109,18 @@ class CrossEntropyProblem:
         return CrossEntropyProblem(self.batch, self.classes, self.dtype)
 
     def describe(self) -> str:
-        return (
-            f"cross_entropy of ({self.batch}, {self.classes}) {self.dtype} logits, "
-            f"{self.target_dtype} targets, weight={'yes' if self.has_weight else 'no'}, "
-            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-            f"label_smoothing={self.label_smoothing:g}; "
-            f"{self.bytes_moved / 1e6:.3f} MB moved at least"
-        )
+        return f"cross_entropy of {describe_arguments(self)}; {self.bytes_moved / 1e6:.3f} MB moved at least"
+
+
+def describe_arguments(problem) -> str:
+    """The shapes, dtypes and options of a cross entropy problem (the forward's or the
+    gradient's), in words."""
+    return (
+        f"({problem.batch}, {problem.classes}) {problem.dtype} logits, "
+        f"{problem.target_dtype} targets, weight={'yes' if problem.has_weight else 'no'}, "
+        f"ignore_index={problem.ignore_index}, reduction={problem.reduction!r}, "
+        f"label_smoothing={problem.label_smoothing:g}"
+    )
 
 
 def cross_entropy_problem(

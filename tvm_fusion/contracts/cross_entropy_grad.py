@@ -51,6 +51,7 @@ from .cross_entropy import (
     TargetOutOfRangeError,
     _dtype_name,
     check_arguments,
+    describe_arguments,
     first_bad_row,
 )
 
@@ -120,13 +121,8 @@ class CrossEntropyGradProblem:
         return CrossEntropyGradProblem(self.batch, self.classes, self.dtype, mode=self.mode)
 
     def describe(self) -> str:
-        return (
-            f"cross_entropy_grad ({self.mode}) of ({self.batch}, {self.classes}) {self.dtype} logits, "
-            f"{self.target_dtype} targets, weight={'yes' if self.has_weight else 'no'}, "
-            f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-            f"label_smoothing={self.label_smoothing:g}; "
-            f"{self.bytes_moved / 1e6:.3f} MB moved at least"
-        )
+        return (f"cross_entropy_grad ({self.mode}) of {describe_arguments(self)}; "
+                f"{self.bytes_moved / 1e6:.3f} MB moved at least")
 
 
 def cross_entropy_grad_problem(
