@@ -121,3 +121,16 @@ def default_and_sampled(cand, problem, target, count: int) -> list:
 
     configs = cand.all_configs(problem, target)
     return [cand.default_for(problem, target)] + random.Random(cand.name).sample(configs, min(count, len(configs)))
+
+
+def candidate_params(problems, target, count: int):
+    """``pytest.param(problem, candidate name, configs)`` for every applicable candidate
+    of every problem, with its default and ``count`` sampled configurations."""
+    import pytest
+
+    from tvm_fusion import registry
+
+    for problem in problems:
+        for cand in registry.applicable(problem, target):
+            yield pytest.param(problem, cand.name, default_and_sampled(cand, problem, target, count),
+                               id=f"{cand.name}-{problem.key()}")

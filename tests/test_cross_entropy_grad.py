@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import tvm
 
-from helpers import TOLERANCES, assert_close, default_and_sampled, has_gpu, np_dtype, random_floats, rng, run_poisoned, torch_or_none
+from helpers import TOLERANCES, assert_close, candidate_params, has_gpu, np_dtype, random_floats, rng, run_poisoned, torch_or_none
 from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
 from tvm_fusion import dispatch, registry, targets, tuner
 from tvm_fusion.codegen import cuda_report, nvcc_path
@@ -470,11 +470,9 @@ def sampled_cases():
               ((3, 1000), "bfloat16", {"label_smoothing": 0.1}), ((5, 50257), "float16", {}),
               ((65, 1000), "float16", {"reduction": "none", "weight_shape": (1000,), "label_smoothing": 0.2}),
               ((2, 8), "bfloat16", {"reduction": "none"}), ((1, 16), "float32", {})]
-    for (shape, dtype, options), mode in itertools.product(shapes, MODES):
-        problem = cross_entropy_grad_problem(shape, dtype, mode=mode, **options)
-        for cand in registry.applicable(problem, CUDA):
-            picks = default_and_sampled(cand, problem, CUDA, 6)
-            yield pytest.param(problem, cand.name, picks, id=f"{cand.name}-{problem.key()}")
+    problems = [cross_entropy_grad_problem(shape, dtype, mode=mode, **options)
+                for (shape, dtype, options), mode in itertools.product(shapes, MODES)]
+    yield from candidate_params(problems, CUDA, 6)
 
 
 @pytest.mark.parametrize("problem, candidate, configs", list(sampled_cases()))

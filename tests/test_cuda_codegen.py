@@ -11,7 +11,7 @@ import pytest
 
 import tvm_fusion as tf
 from tvm_fusion import registry, targets
-from helpers import default_and_sampled
+from helpers import candidate_params
 from tvm_fusion.codegen import cuda_report, nvcc_path
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.kernel import build_kernel
@@ -143,17 +143,22 @@ def test_channels_last_leaves_fewer_than_four_rows_to_the_fallback():
 def barriers_under_a_guard(source: str) -> list[str]:
     """The ``if`` lines that enclose a ``__syncthreads()``: a barrier that only some
     threads reach deadlocks the block (a GPU hang, not an error)."""
-    found, opened = [], []
+    return [next(o for o in reversed(opened) if o.startswith("if")) for text, opened in scoped_lines(source)
+            if "__syncthreads" in text and any(o.startswith("if") for o in opened)]
+
+
+def scoped_lines(source: str):
+    """Each stripped line of CUDA ``source`` with the lines that opened the braces
+    around it (outermost first)."""
+    opened: list[str] = []
     for line in source.splitlines():
         text = line.strip()
-        if "__syncthreads" in text and any(o.startswith("if") for o in opened):
-            found.append(next(o for o in reversed(opened) if o.startswith("if")))
+        yield text, list(opened)
         for char in text:
             if char == "{":
                 opened.append(text)
             elif char == "}" and opened:
                 opened.pop()
-    return found
 
 
 def shared_stores_by_every_thread(source: str) -> list[str]:
@@ -165,19 +170,13 @@ def shared_stores_by_every_thread(source: str) -> list[str]:
     of cross_entropy_grad's row kernel then stored its coefficient there while others
     still read the row's sum."""
     shared = set(re.findall(r"__shared__ alignas\(\d+\) \w+ (\w+)\[", source))
-    found, opened = [], []
-    for line in source.splitlines():
-        text = line.strip()
+    found = []
+    for text, opened in scoped_lines(source):
         store = re.match(r"(?:\(\(volatile \w+\*\))?(\w+)\)?\[[^\]]*\] = ", text)
         if store and store.group(1) in shared:
             guards = " ".join(o for o in opened if o.startswith("if"))
             if not re.search(r"threadIdx\.x\) == 0|% 32\) == 0|threadIdx\.x\) < 1\)", guards):
                 found.append(text)
-        for char in text:
-            if char == "{":
-                opened.append(text)
-            elif char == "}" and opened:
-                opened.pop()
     return found
 
 
@@ -189,11 +188,8 @@ def knob_cases():
               ("cross_entropy", (5, 50257), "float16", {}),
               ("bn_stats", (4, 16, 23), "bfloat16", {}), ("bn_stats", (3, 7, 5, 96), "float16", {"layout": "NHWC"}),
               ("bn_stats", (8, 3, 1009), "float32", {})]
-    for op, shape, dtype, options in shapes:
-        problem = tf.make_problem(op, shape, dtype, **options)
-        for cand in registry.applicable(problem, CUDA):
-            picks = default_and_sampled(cand, problem, CUDA, 8)
-            yield pytest.param(problem, cand.name, picks, id=f"{cand.name}-{problem.key()}")
+    yield from candidate_params([tf.make_problem(op, shape, dtype, **options) for op, shape, dtype, options in shapes],
+                                CUDA, 8)
 
 
 @pytest.mark.parametrize("problem, candidate, configs", list(knob_cases()))
@@ -205,8 +201,9 @@ def test_no_barrier_under_a_thread_guard(problem, candidate, configs):
             if "launch_bounds" in str(err) or "threads" in str(err):
                 continue
             raise
-        assert not barriers_under_a_guard(kernel.device_source()), f"{knobs}: {barriers_under_a_guard(kernel.device_source())[:2]}"
-        assert not shared_stores_by_every_thread(kernel.device_source()), f"{knobs}: {shared_stores_by_every_thread(kernel.device_source())[:2]}"
+        source = kernel.device_source()
+        assert not barriers_under_a_guard(source), f"{knobs}: {barriers_under_a_guard(source)[:2]}"
+        assert not shared_stores_by_every_thread(source), f"{knobs}: {shared_stores_by_every_thread(source)[:2]}"
 
 
 # Warp-level candidates hand values between lanes by shuffles only: shared memory
