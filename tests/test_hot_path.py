@@ -207,3 +207,23 @@ def test_kernels_past_two_to_the_31_elements_get_the_same_signature_edits():
     params = compiled_form(sch.mod, problem)["main"].params
     assert [p.data_alignment for p in params] == [16] * len(params)
     assert [tuple(int(d) for d in p.shape) for p in params][-2:] == [(), (1,)]
+
+
+def test_a_launcher_does_not_keep_its_first_calls_tensors_alive():
+    """The launcher cache outlives every call: a closure over the first call's
+    arguments would keep its logits (gigabytes on a large vocabulary) alive."""
+    if torch is None:
+        pytest.skip("needs torch")
+    import gc
+    import weakref
+
+    import tvm_fusion.torch as tft
+
+    target = torch.randint(0, 100, (64,))
+    for call in (lambda x: tf.cross_entropy(x, target), lambda x: tft.cross_entropy(x, target).backward()):
+        logits = torch.randn(64, 100, requires_grad=True)
+        alive = weakref.ref(logits)
+        call(logits)
+        del logits
+        gc.collect()
+        assert alive() is None

@@ -87,11 +87,7 @@ def cross_entropy(
     GPU, so the error is raised by a later call or by :func:`check_targets`
     (``tvm_fusion.target_check`` says how). ``check_targets=False`` reads nothing.
     """
-    key = (
-        "cross_entropy", signature(logits), signature(target), signature(weight),
-        ignore_index, type(ignore_index), reduction, label_smoothing, type(label_smoothing),
-        check_targets is True,
-    )
+    key = ("cross_entropy", ce_key(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets))
     try:
         launch = _LAUNCHERS.get(key)
     except TypeError:  # an unhashable option, which the contract names
@@ -102,14 +98,43 @@ def cross_entropy(
     return launch(logits, target, weight)
 
 
-def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing,
-                            check_targets) -> Callable[[Any, Any, Any], Any]:
-    """The contract's checks, dispatch's kernel and the launch for one signature."""
-    op = "cross_entropy"
+def ce_key(logits: Any, target: Any, weight: Any, ignore_index: Any, reduction: Any, label_smoothing: Any,
+           check_targets: Any) -> tuple:
+    """What decides a cross entropy launcher (the gradient's too): each argument's
+    signature and the options with their types (a float ignore_index or a numpy
+    label_smoothing is checked by the contract, not served a launcher built for an
+    int or a float)."""
+    return (signature(logits), signature(target), signature(weight), ignore_index, type(ignore_index),
+            reduction, label_smoothing, type(label_smoothing), check_targets is True)
+
+
+def inspect_ce_arguments(op: str, logits: Any, target: Any, weight: Any, check_targets: Any):
+    """The arrays of a cross entropy call described for the contract (``weight``'s
+    None if absent), ``check_targets`` checked."""
     la = arrays.inspect(logits, op, "logits")
     ta = arrays.inspect(target, op, "target")
     wa = None if weight is None else arrays.inspect(weight, op, "weight")
     check_bool(op, "check_targets", check_targets)
+    return la, ta, wa
+
+
+def ce_inputs(kind: arrays.Kind, la: arrays.ArrayArg, ta: arrays.ArrayArg, wa: arrays.ArrayArg | None,
+              batch: int, classes: int) -> Callable[[Any, Any, Any], list]:
+    """A function from (logits, target, weight) to the kernel's input arguments, for
+    every later call with these arguments' signatures (a weight made float32)."""
+    adapt_logits, adapt_target = kind.adapter(la, (batch, classes)), kind.adapter(ta, (batch,))
+    if wa is None:
+        return lambda logits, target, weight: [adapt_logits(logits), adapt_target(target)]
+    adapt_weight, to_float32 = kind.adapter(wa, (classes,)), wa.dtype != "float32"
+    return lambda logits, target, weight: [
+        adapt_logits(logits), adapt_target(target), adapt_weight(_as_float32(weight) if to_float32 else weight)]
+
+
+def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing,
+                            check_targets) -> Callable[[Any, Any, Any], Any]:
+    """The contract's checks, dispatch's kernel and the launch for one signature."""
+    op = "cross_entropy"
+    la, ta, wa = inspect_ce_arguments(op, logits, target, weight, check_targets)
     problem = cross_entropy_problem(
         la.shape, la.dtype, ta.shape, ta.dtype,
         None if wa is None else wa.shape, "float32" if wa is None else wa.dtype,
@@ -118,7 +143,8 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
     arrays.check_same_place(op, la, target=ta, weight=wa)
     kind = arrays.Kind(la)
     if problem.batch == 0:
-        return lambda logits, target, weight: _empty_batch_loss(la, reduction)
+        _LAUNCHERS[key] = launch = lambda logits, target, weight: _empty_batch_loss(la, reduction)
+        return launch
     kernel = kernel_for(problem, targets.for_device(la.device_type))
     func, batch, classes = kernel.func, problem.batch, problem.classes
     # Outputs: ([row_loss,] loss, first_bad_row); the row losses of a sum or mean
@@ -128,17 +154,14 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
     row_loss = kind.scratch([kernel.outputs[0][1:]]) if len(kernel.outputs) == 3 else None
     new_loss = kind.allocator(loss_shape, "float32")
     new_flag = kind.allocator(flag_shape, flag_dtype)
-    adapt_logits, adapt_target = kind.adapter(la, (batch, classes)), kind.adapter(ta, (batch,))
-    adapt_weight = None if wa is None else kind.adapter(wa, (classes,))
-    weight_to_float32 = wa is not None and wa.dtype != "float32"
+    inputs = ce_inputs(kind, la, ta, wa, batch, classes)
     torch_cuda = kind.name == "torch" and kind.cuda
     deferred = check_targets and torch_cuda
-    sink = target_check.sink(la.device_id) if torch_cuda and not check_targets else None
+    device_id = la.device_id  # not la itself: the launcher must not keep the first call's arrays alive
+    sink = target_check.sink(device_id) if torch_cuda and not check_targets else None
 
     def launch(logits: Any, target: Any, weight: Any) -> Any:
-        args = [adapt_logits(logits), adapt_target(target)]
-        if adapt_weight is not None:
-            args.append(adapt_weight(_as_float32(weight) if weight_to_float32 else weight))
+        args = inputs(logits, target, weight)
         if row_loss is not None:
             args += row_loss()
         loss = new_loss()
@@ -146,7 +169,7 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
             func(*args, loss, sink)
         elif deferred:
             args += [loss, None]
-            target_check.launch_checked(func, args, -1, la.device_id, batch, classes, ignore_index, target)
+            target_check.launch_checked(func, args, -1, device_id, batch, classes, ignore_index, target)
         else:  # the host has the flag at once (a sync for TVM's CUDA tensors)
             flag = new_flag()
             func(*args, loss, flag)

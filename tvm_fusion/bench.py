@@ -565,6 +565,17 @@ def wanted(providers: set[str] | None, name: str, api: bool = False) -> bool:
     return name in providers or base in providers or (api and ("api" in providers or base + API in providers))
 
 
+def candidate_kernels(problem, target) -> list[tuple[str, Kernel]]:
+    """Ours: every applicable candidate with its default knobs (``tvm_fusion:<name>``),
+    and the dispatch pick (``tvm_fusion (default)``)."""
+    choice = choose(problem, target)
+    kernels = [(f"tvm_fusion:{cand.name}", build_kernel(problem, target, cand.name))
+               for cand in registry.applicable(problem, target)]
+    kernels.append(("tvm_fusion (default)", build_kernel(problem, target, choice.candidate, choice.knobs,
+                                                       choice.source)))
+    return kernels
+
+
 def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: set[str] | None, log,
                api: bool = True) -> list[Result]:
     """Check and time every provider on one case: the kernels (graph replay on the GPU)
@@ -588,13 +599,7 @@ def bench_case(case: Case, on_gpu: bool, gen: np.random.Generator, providers: se
     def want(name: str) -> bool:
         return wanted(providers, name)
 
-    # Ours: every applicable candidate with its default knobs, and the dispatch pick.
-    ours: list[tuple[str, Kernel]] = []
-    choice = choose(problem, target)
-    for cand in registry.applicable(problem, target):
-        kernel = build_kernel(problem, target, cand.name)
-        ours.append((f"tvm_fusion:{cand.name}", kernel))
-    ours.append(("tvm_fusion (default)", build_kernel(problem, target, choice.candidate, choice.knobs, choice.source)))
+    ours = candidate_kernels(problem, target)
     plan: list[Provider] = []
     for name, kernel in ours:
         if want(name) or want("tvm_fusion"):

@@ -18,7 +18,7 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from .bench import Case, Result, append_csv, hardware_name
+from .bench import Case, Result, append_csv, candidate_kernels, hardware_name
 from .contracts.common import DTYPE_BYTES
 from .timing import copies_for, copy_bandwidth_gpu, time_calls_gpu, time_gpu
 
@@ -99,19 +99,11 @@ def providers(case: Case) -> list[Step]:
 def kernel_steps(case: Case) -> list[tuple[str, Any]]:
     """Every applicable fused gradient candidate with its default knobs, and dispatch's
     pick: the kernels alone (graph replay), beside the user's steps."""
+    from . import targets
     from .api import make_problem
-    from .dispatch import choose
-    from .kernel import build_kernel
-    from . import registry, targets
 
-    problem = make_problem("cross_entropy_grad", case.shape, case.dtype, mode="fused")
-    target = targets.resolve("cuda")
-    kernels = [(f"tvm_fusion:{c.name}", build_kernel(problem, target, c.name))
-               for c in registry.applicable(problem, target)]
-    choice = choose(problem, target)
-    kernels.append(("tvm_fusion (default)", build_kernel(problem, target, choice.candidate, choice.knobs,
-                                                       choice.source)))
-    return kernels
+    return candidate_kernels(make_problem("cross_entropy_grad", case.shape, case.dtype, mode="fused"),
+                             targets.resolve("cuda"))
 
 
 def _kernel_launch(kernel: Any, logits: Any, target: Any) -> tuple[Callable[[], None], Any, Any]:

@@ -69,6 +69,9 @@ class _DLManagedTensor(ctypes.Structure):
 
 
 _KEEP_ALIVE: list[Any] = []  # the DLPack structs that device views point at
+# PyCapsule_New with its own prototype (ctypes.pythonapi's is shared with other libraries)
+_NEW_CAPSULE = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)(
+    ("PyCapsule_New", ctypes.pythonapi))
 
 
 def int32_view(address: int, device_type: int, device_id: int) -> tvm_ffi.Tensor:
@@ -84,10 +87,7 @@ def int32_view(address: int, device_type: int, device_id: int) -> tvm_ffi.Tensor
         ctypes.cast(shape, ctypes.POINTER(ctypes.c_int64)), None, 0,
     )
     _KEEP_ALIVE.append((shape, managed))
-    new_capsule = ctypes.pythonapi.PyCapsule_New
-    new_capsule.restype = ctypes.py_object
-    new_capsule.argtypes = [ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p]
-    return tvm_ffi.from_dlpack(new_capsule(ctypes.addressof(managed), b"dltensor", None))
+    return tvm_ffi.from_dlpack(_NEW_CAPSULE(ctypes.addressof(managed), b"dltensor", None))
 
 
 class _Ring:

@@ -32,7 +32,6 @@ import torch
 
 from .. import api, arrays, records, target_check, targets
 from ..contracts import TargetOutOfRangeError
-from ..contracts.common import check_bool
 from ..contracts.cross_entropy_grad import cross_entropy_grad_problem
 from ..dispatch import kernel_for
 from .scale import scale_in_place
@@ -96,8 +95,7 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
                   ignore_index: int, reduction: str, label_smoothing: float,
                   check_targets: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss and ``dlogits`` for an upstream gradient of 1, from one kernel."""
-    key = (arrays.signature(logits), arrays.signature(target), arrays.signature(weight), ignore_index,
-           type(ignore_index), reduction, label_smoothing, type(label_smoothing), check_targets is True)
+    key = api.ce_key(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
     try:
         launch = _LAUNCHERS.get(key)
     except TypeError:  # an unhashable option, which the contract names
@@ -108,10 +106,7 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
 
 
 def _launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets):
-    la = arrays.inspect(logits, OP, "logits")
-    ta = arrays.inspect(target, OP, "target")
-    wa = None if weight is None else arrays.inspect(weight, OP, "weight")
-    check_bool(OP, "check_targets", check_targets)
+    la, ta, wa = api.inspect_ce_arguments(OP, logits, target, weight, check_targets)
     if la.kind != "torch":
         raise TypeError(f"{OP}: logits must be a torch tensor, got {type(logits).__name__}; "
                         "tvm_fusion.cross_entropy takes numpy and TVM arrays")
@@ -121,9 +116,9 @@ def _launcher(key, logits, target, weight, ignore_index, reduction, label_smooth
     )
     arrays.check_same_place(OP, la, target=ta, weight=wa)
     kind = arrays.Kind(la)
-    if problem.batch == 0:
-        launch = _empty_batch(reduction)
-        _LAUNCHERS[key] = launch
+    if problem.batch == 0:  # torch's loss of no rows, and an empty gradient
+        _LAUNCHERS[key] = launch = lambda logits, target, weight: (
+            api._empty_batch_loss(la, reduction), torch.empty_like(logits))
         return launch
     kernel = kernel_for(problem, targets.for_device(la.device_type))
     func, batch, classes = kernel.func, problem.batch, problem.classes
@@ -136,17 +131,14 @@ def _launcher(key, logits, target, weight, ignore_index, reduction, label_smooth
     scratch = kind.scratch([kernel.outputs[i][1:] for i in scratch_at])
     new_loss, new_grad = kind.allocator(*kernel.outputs[loss_at][1:]), kind.allocator(*kernel.outputs[grad_at][1:])
     width = len(names)
-    adapt = [kind.adapter(la, (batch, classes)), kind.adapter(ta, (batch,))]
-    if wa is not None:
-        to_float32 = wa.dtype != "float32"
-        weight_input = kind.adapter(wa, (classes,))
-        adapt.append(lambda w: weight_input(w.float() if to_float32 else w))
+    inputs = api.ce_inputs(kind, la, ta, wa, batch, classes)
     torch_cuda = kind.cuda
     deferred = check_targets and torch_cuda
-    sink = target_check.sink(la.device_id) if torch_cuda and not check_targets else None
+    device_id = la.device_id  # not la itself: the launcher must not keep the first call's tensors alive
+    sink = target_check.sink(device_id) if torch_cuda and not check_targets else None
 
     def launch(logits, target, weight):
-        args = [a(x) for a, x in zip(adapt, (logits, target, weight))]
+        args = inputs(logits, target, weight)
         outs = [None] * width
         for i, buffer in zip(scratch_at, scratch()):
             outs[i] = buffer
@@ -156,7 +148,7 @@ def _launcher(key, logits, target, weight, ignore_index, reduction, label_smooth
             func(*args, *outs)
         elif deferred:
             args += outs
-            target_check.launch_checked(func, args, len(args) - width + flag_at, la.device_id, batch, classes,
+            target_check.launch_checked(func, args, len(args) - width + flag_at, device_id, batch, classes,
                                         ignore_index, target)
         else:
             func(*args, *outs)
@@ -167,18 +159,6 @@ def _launcher(key, logits, target, weight, ignore_index, reduction, label_smooth
         return outs[loss_at], outs[grad_at]
 
     _LAUNCHERS[key] = launch
-    return launch
-
-
-def _empty_batch(reduction: str):
-    """Zero rows: torch's empty loss, sum 0 or mean NaN, and an empty gradient."""
-    def launch(logits, target, weight):
-        if reduction == "none":
-            loss = logits.new_empty((0,), dtype=torch.float32)
-        else:
-            loss = torch.full((), 0.0 if reduction == "sum" else float("nan"), device=logits.device)
-        return loss, torch.empty_like(logits)
-
     return launch
 
 
