@@ -43,8 +43,8 @@ DISPATCH_ORDER = {
     ],
     # Each candidate computes one mode (problem.mode): fused or from_lse.
     ("cross_entropy_grad", "cuda"): [
-        "cross_entropy_grad_warp_per_row",
         "cross_entropy_grad_row_in_shared",
+        "cross_entropy_grad_warp_per_row",
         "cross_entropy_grad_online",
         "cross_entropy_grad_block_per_row",
         "cross_entropy_grad_from_lse_warp_per_row",

@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import re
@@ -673,3 +674,47 @@ def test_cuda_candidate_on_gpu(shape, options, dtype, mode, candidate):
     options = dict(options)
     problem = gpu_problem(shape, options, dtype, mode)
     check_on_device(problem, options, build_kernel(problem, targets.resolve("cuda"), candidate), "cuda")
+
+
+IN_PLACE_CASES = [((4096, 32000), "float16", {}), ((64, 128256), "bfloat16", {"label_smoothing": 0.1}),
+                  ((65, 1000), "float32", {"reduction": "none", "weight_shape": (1000,)}), ((5, 50257), "float16", {})]
+
+
+def in_place_cases():
+    for shape, dtype, options in IN_PLACE_CASES:
+        problem = cross_entropy_grad_problem(shape, dtype, mode="fused", in_place=True, **options)
+        for cand in registry.applicable(problem, CUDA):
+            yield pytest.param(problem, cand.name, id=f"{cand.name}-{problem.key()}")
+
+
+@pytest.mark.parametrize("problem, candidate", list(in_place_cases()))
+def test_in_place_kernels_read_each_row_before_a_barrier_and_promise_no_alias(problem, candidate):
+    """The gradient written over the logits: no ``__restrict__`` (the device kernels'
+    no-alias promise withdrawn), and the row loss's logit read before the first
+    block-wide barrier, so no thread stores into the row before every read of it."""
+    source = build_kernel(problem, CUDA, candidate).device_source()
+    assert "__restrict__" not in source
+    body = row_kernel(source)
+    target_read = re.search(r"logits_ptr\[[^\]]*target_ptr", body)
+    assert target_read and "target_logit" in body
+    lines = body.split("\n")
+    barrier = next(i for i, line in enumerate(lines) if "__syncthreads()" in line)
+    store = next(i for i, line in enumerate(lines) if " = " in line and "dlogits_ptr" in line.split(" = ")[0])
+    read = next(i for i, line in enumerate(lines) if target_read.group(0) in line)
+    assert read < barrier < store
+    out_of_place = dataclasses.replace(problem, in_place=False)
+    assert "__restrict__" in build_kernel(out_of_place, CUDA, candidate).device_source()
+
+
+def test_in_place_candidates_exclude_warp_per_row_and_cover_every_row_length():
+    for shape, dtype, options in IN_PLACE_CASES:
+        problem = cross_entropy_grad_problem(shape, dtype, mode="fused", in_place=True, **options)
+        names = [c.name for c in registry.applicable(problem, CUDA)]
+        assert names and "cross_entropy_grad_warp_per_row" not in names
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_in_place_kernel_compiles_without_spills():
+    problem = cross_entropy_grad_problem((4096, 32000), "float16", mode="fused", in_place=True)
+    report = cuda_report(build_kernel(problem, CUDA, "cross_entropy_grad_row_in_shared"))
+    assert not any(report.spill_bytes.values()) and report.vector_loads > 0, report

@@ -351,3 +351,120 @@ def test_the_in_place_scaling_on_gpu(dtype, numel):
     assert torch.equal(x, before)
     scale_in_place(x, torch.tensor(0.37, device="cuda"))
     torch.testing.assert_close(x, (before.float() * 0.37).to(x.dtype), rtol=0, atol=0)
+
+
+# -- inplace_backward: the gradient written over the logits ---------------------------------
+def check_in_place(logits, target, weight, kwargs, dtype, contiguous=True):
+    """``inplace_backward=True``: the loss and gradient equal float64 torch's, the
+    gradient autograd hands back is the logits' own storage (every element
+    overwritten: one left holding its logit fails the comparison), and the version
+    counter moved."""
+    x = (logits.clone() if contiguous else logits.t().contiguous().t()).requires_grad_()
+    version = x._version
+    loss = tft.cross_entropy(x, target, weight, inplace_backward=True, **kwargs)
+    assert x._version > version
+    upstream = torch.rand(loss.shape, device=loss.device) + 0.5
+    (grad,) = torch.autograd.grad(loss, x, upstream)
+    assert grad.data_ptr() == x.data_ptr()
+    ref_loss, ref_grad = reference(logits, target, weight, upstream, **kwargs)
+    loss_rtol, grad_tol = TOL[dtype]
+    grad_tol = max(grad_tol, 1e-5 * math.log2(logits.shape[1] + 1) / 4)
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=loss_rtol, atol=loss_rtol * 1e-2, equal_nan=True)
+    scale = float(ref_grad.abs().max()) or 1.0
+    torch.testing.assert_close(x.detach().double(), ref_grad, rtol=grad_tol, atol=grad_tol * scale, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default")
+def test_inplace_backward_writes_the_gradient_over_the_logits(dtype, options):
+    logits, target, weight, kwargs = make_inputs(rng(), 37, 1001, dtype, options)
+    check_in_place(logits, target, weight, kwargs, dtype)
+
+
+def test_inplace_backward_on_non_contiguous_logits_copies_the_gradient_over_them():
+    logits, target, weight, kwargs = make_inputs(rng(), 19, 300, "float32", {"label_smoothing": 0.1})
+    check_in_place(logits, target, weight, kwargs, "float32", contiguous=False)
+
+
+def test_inplace_backward_makes_a_stale_saved_use_of_the_logits_an_error():
+    h = (torch.randn(8, 100) * 1.0).requires_grad_()
+    logits = h * 2.0
+    square = (logits * logits).sum()  # saves logits for its backward
+    loss = tft.cross_entropy(logits, torch.randint(0, 100, (8,)), inplace_backward=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (square + loss).backward()
+
+
+def test_inplace_backward_module_and_bad_flag():
+    logits, target, _, _ = make_inputs(rng(), 9, 64, "float32", {})
+    ref = F.cross_entropy(logits.double(), target)
+    x = logits.clone().requires_grad_()
+    module = tft.CrossEntropyLoss(inplace_backward=True)
+    assert "inplace_backward=True" in repr(module)
+    torch.testing.assert_close(module(x, target).double(), ref, rtol=1e-5, atol=1e-7)
+    with pytest.raises(TypeError, match="inplace_backward must be a bool"):
+        tft.cross_entropy(x, target, inplace_backward="yes")
+
+
+def test_in_place_problem_is_its_own_kernel_without_no_alias():
+    from tvm_fusion.contracts.cross_entropy_grad import cross_entropy_grad_problem
+
+    problem = tf.make_problem("cross_entropy_grad", (16, 1000), "float32", in_place=True)
+    assert problem.in_place and "inplace" in problem.key()
+    assert problem.key() != tf.make_problem("cross_entropy_grad", (16, 1000), "float32").key()
+    with pytest.raises(ValueError, match="only mode='fused'"):
+        cross_entropy_grad_problem((16, 1000), "float32", mode="from_lse", in_place=True)
+    kernel = tf.build("cross_entropy_grad", (16, 1000), "float32", target="llvm", in_place=True)
+    assert "target_logit" in kernel.mod.script()
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("options", OPTIONS[:4], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize("batch, classes", [(300, 1001), (512, 32000), (5, 50257), (3, 128256), (7, 10)])
+def test_inplace_backward_on_gpu(dtype, options, batch, classes):
+    logits, target, weight, kwargs = make_inputs(rng(), batch, classes, dtype, options, device="cuda")
+    check_in_place(logits, target, weight, kwargs, dtype)
+    tf.check_targets()
+
+
+def in_place_kernel_cases():
+    from helpers import candidate_params
+    from tvm_fusion import targets
+
+    problems = [tf.make_problem("cross_entropy_grad", shape, dtype, in_place=True, **options)
+                for shape, dtype, options in [((300, 1000), "float16", {}), ((64, 50257), "bfloat16", {"label_smoothing": 0.1}),
+                                              ((33, 4096), "float32", {"reduction": "none", "weight": True})]]
+    yield from candidate_params(problems, targets.resolve({"kind": "cuda", "arch": "sm_90"}), 3)
+
+
+@pytest.mark.gpu
+@gpu
+@pytest.mark.parametrize("problem, candidate, configs", list(in_place_kernel_cases()))
+def test_every_in_place_kernel_on_gpu(problem, candidate, configs):
+    """Each in-place candidate, default and sampled knobs, with the logits passed as
+    ``dlogits`` too: the loss and every element of the gradient right."""
+    from tvm_fusion import targets
+    from tvm_fusion.kernel import build_kernel
+
+    options = {"reduction": problem.reduction, "label_smoothing": problem.label_smoothing}
+    opts = dict(options, weight=True) if problem.has_weight else options
+    for knobs in configs:
+        logits, target, weight, kwargs = make_inputs(rng(), problem.batch, problem.classes, problem.dtype, opts,
+                                                     device="cuda")
+        kernel = build_kernel(problem, targets.resolve("cuda"), candidate, knobs)
+        x = logits.clone()
+        outs = {name: (x if name == "dlogits" else torch.full(shape, float("nan") if dtype.startswith("float") else -7777,
+                                                             dtype=getattr(torch, dtype), device="cuda"))
+                for name, shape, dtype in kernel.outputs}
+        kernel.func(x, target, *([weight] if weight is not None else []), *outs.values())
+        torch.cuda.synchronize()
+        upstream = torch.ones((problem.batch,) if problem.reduction == "none" else (), device="cuda")
+        ref_loss, ref_grad = reference(logits, target, weight, upstream, **kwargs)
+        grad_tol = max(TOL[problem.dtype][1], 1e-5 * math.log2(problem.classes + 1) / 4)
+        scale = float(ref_grad.abs().max()) or 1.0
+        torch.testing.assert_close(x.double(), ref_grad, rtol=grad_tol, atol=grad_tol * scale, equal_nan=True,
+                                   msg=lambda m: f"{candidate} {knobs}: {m}")
+        torch.testing.assert_close(outs["loss"].double().reshape(ref_loss.shape), ref_loss, rtol=1e-5, atol=1e-7,
+                                   msg=lambda m: f"{candidate} {knobs}: {m}")

@@ -249,8 +249,8 @@ def explain(op: str, shape: Any, dtype: str = "float32", target: Any = "cuda",
 
 def make_problem(op: str, shape: Any, dtype: str, **options: Any):
     """The contract's problem for ``op`` from a shape, a dtype and keyword options
-    (``cross_entropy_grad`` takes cross_entropy's options and ``mode``, "fused" or
-    "from_lse")."""
+    (``cross_entropy_grad`` takes cross_entropy's options, ``mode``, "fused" or
+    "from_lse", and ``in_place``)."""
     check_choice("build", "op", op, KERNEL_OPS)
     if op == "bn_stats":
         unknown = set(options) - {"layout"}
@@ -259,7 +259,7 @@ def make_problem(op: str, shape: Any, dtype: str, **options: Any):
         return bn_stats_problem(shape, dtype, options.get("layout", "NCHW"))
     known = {"target_dtype", "weight", "ignore_index", "reduction", "label_smoothing"}
     if op == "cross_entropy_grad":
-        known.add("mode")
+        known |= {"mode", "in_place"}
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"{op}: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
@@ -273,7 +273,8 @@ def make_problem(op: str, shape: Any, dtype: str, **options: Any):
         options.get("label_smoothing", 0.0),
     )
     if op == "cross_entropy_grad":
-        return cross_entropy_grad_problem(*args, mode=options.get("mode", "fused"))
+        return cross_entropy_grad_problem(*args, mode=options.get("mode", "fused"),
+                                          in_place=options.get("in_place", False))
     return cross_entropy_problem(*args)
 
 

@@ -63,6 +63,8 @@ def providers(case: Case) -> list[Step]:
     steps = [
         Step("tvm_fusion.torch", autograd(tft.cross_entropy)),
         Step("tvm_fusion.torch (check_targets=False)", autograd(lambda x, t: tft.cross_entropy(x, t, check_targets=False))),
+        Step("tvm_fusion.torch (inplace_backward)", autograd(lambda x, t: tft.cross_entropy(x, t, inplace_backward=True)),
+             in_place=True),
         Step("torch eager", autograd(F.cross_entropy)),
         Step("torch.compile", autograd(torch.compile(F.cross_entropy))),
     ]

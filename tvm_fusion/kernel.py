@@ -155,10 +155,37 @@ def build_kernel(
         mod = sch.mod
     with target:
         compiled = compiled_form(mod, problem)
-        executable = tvm.compile(compiled, target=target)
+        pipeline = ALIASED_PIPELINE if getattr(problem, "in_place", False) else "default"
+        executable = tvm.compile(compiled, target=target, tir_pipeline=pipeline)
     kernel = Kernel(problem, target, candidate, knobs, source, mod, executable, compiled)
     with _LOCK:
         return _CACHE.setdefault(cache_key, kernel)
+
+
+ALIASED_PIPELINE = "tvm_fusion_aliased"
+
+
+def _aliased_pipeline(**kwargs):
+    """TVM's default TIR pipeline, then every function's no-alias promise withdrawn.
+
+    For a problem that writes an output over an input (the gradient over the logits):
+    SplitHostDevice marks every device kernel ``tirx.noalias``, which prints each
+    pointer ``__restrict__`` and lets the compiler read the input through the
+    non-coherent cache or reload it after a store. Without it the generated code keeps
+    every load before the stores that follow it."""
+    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.WithdrawNoAlias")
+    def withdraw_no_alias(mod, _ctx):
+        for gvar, func in list(mod.functions.items()):
+            if isinstance(func, tvm.tirx.PrimFunc) and func.attrs is not None and "tirx.noalias" in func.attrs:
+                mod[gvar] = func.with_attr("tirx.noalias", False)
+        return mod
+
+    return tvm.transform.Sequential([pipeline, withdraw_no_alias]), finalize_host, finalize_device
+
+
+tvm.tirx.compilation_pipeline.register_tir_pipeline(ALIASED_PIPELINE, _aliased_pipeline)
 
 
 def cache_size() -> int:

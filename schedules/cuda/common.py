@@ -10,7 +10,7 @@ from tvm import s_tir
 
 from tvm_fusion.contracts.common import DTYPE_BYTES
 
-from ..common import lanes_split, outputs_to, read_index, single_thread, stage_in_registers, unroll
+from ..common import lanes_split, merge_rows, outputs_to, read_index, single_thread, stage_in_registers, unroll
 
 MAX_THREADS = 1024
 WARP = 32
@@ -151,6 +151,20 @@ def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str) -> None
                            consumer_blocks=[chunk_max, chunk_sum])
     sch.compute_at(stage, serial, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(stage)[-1])
+
+
+def merge_grad_rows(sch: s_tir.Schedule, problem, statistics: tuple[str, ...] = ("row_max", "row_sumexp")):
+    """One row loop for the fused gradient's per-row blocks, in :func:`row_order`;
+    returns it. In place, ``target_logit`` comes first, in every thread's registers:
+    the row's statistics then end in a block-wide barrier (a multi-warp allreduce, or
+    the copy into shared memory) before any thread stores the row's gradient over
+    the logits it read."""
+    loss = "loss" if problem.reduction == "none" else "row_loss"
+    first = ["target_logit"] if problem.in_place else []
+    row = merge_rows(sch, first + row_order(loss, statistics))
+    if problem.in_place:
+        outputs_to(sch, sch.get_sblock("target_logit"), "local")
+    return row
 
 
 def row_order(loss: str, statistics: tuple[str, ...] = ("row_max", "row_sumexp")) -> list[str]:

@@ -33,9 +33,9 @@ from __future__ import annotations
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import Candidate, register
 
-from ..common import coefficients_at, merge_rows, outputs_to, single_thread, thread_reduce
+from ..common import coefficients_at, outputs_to, single_thread, thread_reduce
 from .cross_entropy_block_per_row import BlockPerRowKnobs, CrossEntropyBlockPerRow
-from .common import grad_map, row_order, schedule_grad_batch_stage, schedule_grad_prologue
+from .common import grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
 
 
 @register
@@ -61,7 +61,7 @@ class CrossEntropyGradBlockPerRow(Candidate):
         dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
         coefficients_at(sch, problem, dlogits_row, "local")
         loss = "loss" if problem.reduction == "none" else "row_loss"
-        row = merge_rows(sch, row_order(loss))
+        row = merge_grad_rows(sch, problem)
         sch.bind(row, "blockIdx.x")
         # 2. Both statistics across the block, kept in registers.
         for name in ("row_max", "row_sumexp"):

@@ -40,9 +40,9 @@ from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
-from ..common import coefficients_at, merge_rows, single_thread
+from ..common import coefficients_at, single_thread
 from .common import (
-    MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, grad_map, row_order, schedule_grad_batch_stage,
+    MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, grad_map, merge_grad_rows, schedule_grad_batch_stage,
     online_chunks, schedule_grad_prologue, vector_choices, widest_vector,
 )
 from .cross_entropy_online import CrossEntropyOnline
@@ -91,7 +91,7 @@ class CrossEntropyGradOnline(Candidate):
         dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
         coefficients_at(sch, problem, dlogits_row, "local")
         loss = "loss" if problem.reduction == "none" else "row_loss"
-        row = merge_rows(sch, row_order(loss, ("row_online",)))
+        row = merge_grad_rows(sch, problem, ("row_online",))
         sch.bind(row, "blockIdx.x")
         # 2. Chunks across the lanes; each chunk reduced in registers.
         online_chunks(sch, knobs.threads, knobs.unroll, "local")

@@ -32,9 +32,9 @@ from __future__ import annotations
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import Candidate, register
 
-from ..common import coefficients_at, merge_rows, outputs_to, single_thread, thread_reduce
+from ..common import coefficients_at, outputs_to, single_thread, thread_reduce
 from .cross_entropy_warp_per_row import CrossEntropyWarpPerRow, WarpPerRowKnobs
-from .common import WARP, grad_map, row_order, schedule_grad_batch_stage, schedule_grad_prologue
+from .common import WARP, grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
 
 @register
 class CrossEntropyGradWarpPerRow(Candidate):
@@ -46,7 +46,9 @@ class CrossEntropyGradWarpPerRow(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
-        return problem.mode == "fused" and CrossEntropyWarpPerRow.applies(self, problem)
+        # Not in place: a warp's shuffles order no memory, so a lane could store its
+        # gradient before another lane has read the logit under it.
+        return problem.mode == "fused" and not problem.in_place and CrossEntropyWarpPerRow.applies(self, problem)
 
     # The forward's preference, space and default: the same launch shape over the same row.
     prefers = CrossEntropyWarpPerRow.prefers
@@ -60,7 +62,7 @@ class CrossEntropyGradWarpPerRow(Candidate):
         dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
         coefficients_at(sch, problem, dlogits_row, "local")
         loss = "loss" if problem.reduction == "none" else "row_loss"
-        row = merge_rows(sch, row_order(loss))
+        row = merge_grad_rows(sch, problem)
         block_rows, warp_row = sch.split(row, [None, knobs.rows])
         sch.bind(block_rows, "blockIdx.x")
         sch.bind(warp_row, "threadIdx.y")

@@ -51,18 +51,21 @@ def prim_func(problem: Problem, algorithm: str | None = None) -> tirx.PrimFunc:
     """
     algorithm = algorithm or default_algorithm(problem)
     func = te.create_prim_func(te_tensors(problem, algorithm))
-    return func.with_attrs(
-        {
-            "global_symbol": "main",
-            "tvm_fusion.op": problem.op,
-            "tvm_fusion.algorithm": algorithm,
-            "tvm_fusion.problem": problem_to_json(problem),
-        }
-    )
+    attrs = {
+        "global_symbol": "main",
+        "tvm_fusion.op": problem.op,
+        "tvm_fusion.algorithm": algorithm,
+        "tvm_fusion.problem": problem_to_json(problem),
+    }
+    if getattr(problem, "in_place", False):  # dlogits and logits are one buffer: no __restrict__
+        attrs["tirx.noalias"] = False
+    return func.with_attrs(attrs)
 
 
 def problem_to_json(problem: Problem) -> str:
     fields = {k: v for k, v in problem.__dict__.items()}
+    if fields.get("in_place") is False:  # the out-of-place gradient's JSON (and records) as before
+        del fields["in_place"]
     if isinstance(problem, BNStatsProblem):
         fields["shape"] = list(problem.shape)
         fields["input_shape"] = list(problem.input_shape)

@@ -154,11 +154,21 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
 
     # 1-3. Row statistics and the forward's per-row outputs (fused).
     if fused:
+        x_loss = x  # row_loss_value reads x(i, t_i) only
+        if problem.in_place:
+            # The row loss's one logit, read before anything of the row is written
+            # (dlogits goes over the logits); 0 on a row that does not count.
+            def target_logit_value(i):
+                t, valid, in_range = checks(i)
+                return guarded(row_ok(valid, in_range), x(i, t.astype(idx)))
+
+            target_logit = te.compute(rows, target_logit_value, name="target_logit")
+            x_loss = lambda i, _k: target_logit[i]  # noqa: E731
         row_max, row_sumexp, extra = row_statistics(problem, logits, weight, STATISTICS[algorithm], idx)
         lse_out = te.compute(rows, lambda i: logsumexp(row_max[i], row_sumexp[i]), name="lse")
         row_loss = te.compute(
             rows,
-            lambda i: row_loss_value(problem, x, weight, checks, extra, i,
+            lambda i: row_loss_value(problem, x_loss, weight, checks, extra, i,
                                      logsumexp(row_max[i], row_sumexp[i]), idx),
             name="loss" if reduction == "none" else "row_loss",
         )

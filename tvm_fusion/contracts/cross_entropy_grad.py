@@ -36,6 +36,12 @@ Two modes (``mode``), the two kernels a training step can use:
     for none, float32) and writes ``dlogits``.
 
 ``dlogits`` has the logits' dtype; everything before the store is float32.
+
+``in_place`` (fused only): ``dlogits`` is written over the logits, the caller passing
+one buffer for both. The kernel is built without the no-alias promise, its row loss
+reads the target's logit from a stage (``target_logit``) that runs before the row's
+statistics, and only candidates that read every logit of a row before a block-wide
+barrier that precedes the row's first store apply.
 """
 
 from __future__ import annotations
@@ -72,6 +78,7 @@ class CrossEntropyGradProblem:
     reduction: str = "mean"
     label_smoothing: float = 0.0
     mode: str = "fused"
+    in_place: bool = False
     op: ClassVar[str] = OP
 
     @property
@@ -106,7 +113,7 @@ class CrossEntropyGradProblem:
 
     @property
     def options_tag(self) -> str:
-        return f"{self.mode}_{self.forward().options_tag}"
+        return f"{self.mode}{'_inplace' if self.in_place else ''}_{self.forward().options_tag}"
 
     def forward(self) -> CrossEntropyProblem:
         """The forward problem with the same shape and options."""
@@ -117,11 +124,12 @@ class CrossEntropyGradProblem:
         return f"{OP}_{self.batch}x{self.classes}_{self.dtype}_{self.options_tag}"
 
     def canonical(self) -> CrossEntropyGradProblem:
-        """The same shape and mode with default options."""
-        return CrossEntropyGradProblem(self.batch, self.classes, self.dtype, mode=self.mode)
+        """The same shape, mode and placement with default options."""
+        return CrossEntropyGradProblem(self.batch, self.classes, self.dtype, mode=self.mode, in_place=self.in_place)
 
     def describe(self) -> str:
-        return (f"cross_entropy_grad ({self.mode}) of {describe_arguments(self)}; "
+        mode = f"{self.mode}, in place" if self.in_place else self.mode
+        return (f"cross_entropy_grad ({mode}) of {describe_arguments(self)}; "
                 f"{self.bytes_moved / 1e6:.3f} MB moved at least")
 
 
@@ -140,16 +148,23 @@ def cross_entropy_grad_problem(
     lse_dtype: str = "float32",
     dloss_shape: object | None = None,
     dloss_dtype: str = "float32",
+    in_place: bool = False,
 ) -> CrossEntropyGradProblem:
     """Check the arguments of the gradient and return the problem they describe.
 
     The forward's arguments are checked as cross_entropy checks them; ``mode`` is
     ``"fused"`` or ``"from_lse"``. ``lse`` and ``dloss`` are inputs of ``from_lse``
     only (their shapes may be left out): ``lse`` (B,) float32, ``dloss`` float32 of
-    shape (B,) for reduction="none", else (1,) or ()."""
+    shape (B,) for reduction="none", else (1,) or (). ``in_place`` (a bool, fused
+    only): the gradient written over the logits."""
     fields = check_arguments(OP, logits_shape, logits_dtype, target_shape, target_dtype, weight_shape,
                              weight_dtype, ignore_index, reduction, label_smoothing)
     check_choice(OP, "mode", mode, MODES)
+    if not isinstance(in_place, bool):
+        raise TypeError(f"{OP}: in_place must be a bool, got {in_place!r}")
+    if in_place and mode != "fused":
+        raise ValueError(f"{OP}: in_place=True writes the gradient over the logits during the forward, "
+                         f"which only mode='fused' does; got mode={mode!r}")
     batch, reduction = fields[0], fields[6]
     if mode == "fused":
         for name, given in (("lse", lse_shape), ("dloss", dloss_shape)):
@@ -158,7 +173,7 @@ def cross_entropy_grad_problem(
                     f"{OP}: {name} is not an input of mode='fused' (it computes the lse and "
                     f"takes dloss = 1), got {name}.shape {tuple(given)}; use mode='from_lse'"
                 )
-        return CrossEntropyGradProblem(*fields, mode)
+        return CrossEntropyGradProblem(*fields, mode, in_place)
     if lse_shape is not None:
         lshape = check_shape(OP, "lse.shape", lse_shape)
         if lshape != (batch,):

@@ -19,18 +19,29 @@ Three ways in, one kernel:
   (meta) functions and the autograd formula registered, so ``fullgraph=True``
   traces a model through them without a graph break.
 
+``inplace_backward=True`` writes the gradient over the logits during the forward
+(no B x V allocation; Liger's and Quack's option) and bumps the logits' version
+counter, so autograd refuses any saved use of the overwritten values. The kernels
+that do it are built for it (``in_place`` problems: no ``__restrict__``, every logit
+of a row read before a block barrier that precedes its first store); where none
+applies, or the logits are not one contiguous 16-byte aligned tensor, the gradient
+is computed out of place and copied over the logits. Under ``torch.compile`` the
+option has no effect: a custom op that mutates its input cannot carry an autograd
+formula (torch.library), so the compiled graph gets the gradient in a new buffer.
+
 A bad target raises :class:`tvm_fusion.TargetOutOfRangeError` as the forward API
 does (on CUDA at a later call or at ``tvm_fusion.check_targets()``);
 ``check_targets=False`` reads nothing and lets a training step be captured in a
 CUDA graph.
 """
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any, Optional  # no postponed annotations: custom_op reads them
 
 import torch
 
-from .. import api, arrays, records, target_check, targets
+from .. import api, arrays, records, registry, target_check, targets
 from ..contracts import TargetOutOfRangeError
 from ..contracts.cross_entropy_grad import cross_entropy_grad_problem
 from ..dispatch import kernel_for
@@ -49,13 +60,18 @@ def cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     check_targets: bool = True,
+    inplace_backward: bool = False,
 ) -> torch.Tensor:
     """``torch.nn.functional.cross_entropy`` of (B, V) ``logits`` against class
     indices ``target`` (B,), differentiable with respect to ``logits``.
 
     The loss is float32 (0-d for "mean" and "sum"); the gradient has the logits'
     dtype. Same options and meaning as torch's; ``check_targets`` as in
-    :func:`tvm_fusion.cross_entropy`."""
+    :func:`tvm_fusion.cross_entropy`. ``inplace_backward=True`` (when the logits
+    need a gradient) overwrites ``logits`` with the gradient during this call: read
+    nothing from them afterwards (the module docstring says more)."""
+    if not isinstance(inplace_backward, bool):
+        raise TypeError(f"{OP}: inplace_backward must be a bool, got {inplace_backward!r}")
     if torch.compiler.is_compiling():
         if logits.requires_grad:
             return torch.ops.tvm_fusion.cross_entropy_fused(
@@ -63,49 +79,55 @@ def cross_entropy(
         return torch.ops.tvm_fusion.cross_entropy(logits, target, weight, ignore_index, reduction,
                                                  label_smoothing, check_targets)
     if logits.requires_grad and torch.is_grad_enabled():
-        return _CrossEntropy.apply(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
+        return _CrossEntropy.apply(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets,
+                                   inplace_backward)
     return api.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
 
 
 class CrossEntropyLoss(torch.nn.Module):
     """``torch.nn.CrossEntropyLoss`` on tvm_fusion's kernels (class-index targets,
-    (B, V) logits), with the same arguments, plus ``check_targets``."""
+    (B, V) logits), with the same arguments, plus ``check_targets`` and
+    ``inplace_backward``."""
 
     def __init__(self, weight: torch.Tensor | None = None, size_average: Any = None, ignore_index: int = -100,
                  reduce: Any = None, reduction: str = "mean", label_smoothing: float = 0.0,
-                 check_targets: bool = True) -> None:
+                 check_targets: bool = True, inplace_backward: bool = False) -> None:
         super().__init__()
         if size_average is not None or reduce is not None:  # torch's deprecated pair
             reduction = torch.nn._reduction.legacy_get_string(size_average, reduce, emit_warning=True)
         self.register_buffer("weight", weight)
         self.ignore_index, self.reduction = ignore_index, reduction
         self.label_smoothing, self.check_targets = label_smoothing, check_targets
+        self.inplace_backward = inplace_backward
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return cross_entropy(input, target, self.weight, self.ignore_index, self.reduction,
-                             self.label_smoothing, self.check_targets)
+                             self.label_smoothing, self.check_targets, self.inplace_backward)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, reduction={self.reduction!r}, "
-                f"label_smoothing={self.label_smoothing}, check_targets={self.check_targets}")
+                f"label_smoothing={self.label_smoothing}, check_targets={self.check_targets}, "
+                f"inplace_backward={self.inplace_backward}")
 
 
 # -- the launch ------------------------------------------------------------------------
 def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
                   ignore_index: int, reduction: str, label_smoothing: float,
-                  check_targets: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss and ``dlogits`` for an upstream gradient of 1, from one kernel."""
-    key = api.ce_key(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
+                  check_targets: bool, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss and ``dlogits`` for an upstream gradient of 1, from one kernel;
+    ``in_place``: ``dlogits`` is ``logits``, overwritten."""
+    key = (api.ce_key(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets), in_place)
     try:
         launch = _LAUNCHERS.get(key)
     except TypeError:  # an unhashable option, which the contract names
         launch = None
     if launch is None:
-        launch = _launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
+        launch = _launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets,
+                           in_place)
     return launch(logits, target, weight)
 
 
-def _launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets):
+def _launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets, in_place):
     la, ta, wa = api.inspect_ce_arguments(OP, logits, target, weight, check_targets)
     if la.kind != "torch":
         raise TypeError(f"{OP}: logits must be a torch tensor, got {type(logits).__name__}; "
@@ -118,9 +140,34 @@ def _launcher(key, logits, target, weight, ignore_index, reduction, label_smooth
     kind = arrays.Kind(la)
     if problem.batch == 0:  # torch's loss of no rows, and an empty gradient
         _LAUNCHERS[key] = launch = lambda logits, target, weight: (
-            api._empty_batch_loss(la, reduction), torch.empty_like(logits))
+            api._empty_batch_loss(la, reduction), logits if in_place else torch.empty_like(logits))
         return launch
-    kernel = kernel_for(problem, targets.for_device(la.device_type))
+    device_target = targets.for_device(la.device_type)
+    if in_place:
+        in_place_problem = dataclasses.replace(problem, in_place=True)
+        if logits.is_contiguous() and registry.applicable(in_place_problem, device_target):
+            kernel = kernel_for(in_place_problem, device_target)
+            _LAUNCHERS[key] = launch = _kernel_launcher(kernel, kind, la, ta, wa, problem, check_targets,
+                                                        ignore_index, in_place=True)
+            return launch
+        out_of_place = loss_and_grad  # no kernel for it: the gradient copied over the logits
+
+        def launch(logits, target, weight):
+            loss, grad = out_of_place(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                      check_targets)
+            return loss, logits.copy_(grad)
+
+        _LAUNCHERS[key] = launch
+        return launch
+    kernel = kernel_for(problem, device_target)
+    _LAUNCHERS[key] = launch = _kernel_launcher(kernel, kind, la, ta, wa, problem, check_targets, ignore_index)
+    return launch
+
+
+def _kernel_launcher(kernel, kind, la, ta, wa, problem, check_targets, ignore_index, in_place=False):
+    """The launch of ``kernel`` for the arguments' signatures; ``in_place``: the
+    gradient output is the logits themselves (contiguous; a misaligned tensor goes
+    through an aligned copy, which is then copied back)."""
     func, batch, classes = kernel.func, problem.batch, problem.classes
     # Outputs in the kernel's order: the loss and dlogits are the caller's, the flag
     # goes where the check reads it, the rest (lse, row losses, denominators) are
@@ -142,7 +189,7 @@ def _launcher(key, logits, target, weight, ignore_index, reduction, label_smooth
         outs = [None] * width
         for i, buffer in zip(scratch_at, scratch()):
             outs[i] = buffer
-        outs[loss_at], outs[grad_at] = new_loss(), new_grad()
+        outs[loss_at], outs[grad_at] = new_loss(), args[0] if in_place else new_grad()
         if sink is not None:
             outs[flag_at] = sink
             func(*args, *outs)
@@ -156,16 +203,17 @@ def _launcher(key, logits, target, weight, ignore_index, reduction, label_smooth
                 row = int(outs[flag_at][0])
                 if row < batch:
                     raise TargetOutOfRangeError(row, int(target[row]), classes, ignore_index)
+        if in_place and outs[grad_at] is not logits:  # an aligned copy (or a view) took the gradient
+            return outs[loss_at], logits.copy_(outs[grad_at].view(logits.shape))
         return outs[loss_at], outs[grad_at]
 
-    _LAUNCHERS[key] = launch
     return launch
 
 
 def scaled_grad(dlogits: torch.Tensor, grad_loss: torch.Tensor, reduction: str, in_place: bool) -> torch.Tensor:
     """``dlogits`` (for dloss = 1) times the upstream gradient: a scalar for "mean"
     and "sum", one value per row for "none"."""
-    if in_place and reduction != "none":  # no traffic when dloss is 1 (loss.backward())
+    if in_place and reduction != "none" and dlogits.is_contiguous():  # no traffic when dloss is 1
         return scale_in_place(dlogits, grad_loss.float().contiguous())
     scale = grad_loss.unsqueeze(1) if reduction == "none" else grad_loss
     return dlogits.mul_(scale) if in_place else dlogits * scale.to(dlogits.dtype)
@@ -176,9 +224,12 @@ class _CrossEntropy(torch.autograd.Function):
     forward and scaled in place in the backward."""
 
     @staticmethod
-    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets):
+    def forward(ctx, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets,
+                inplace_backward):
         loss, dlogits = loss_and_grad(logits, target, weight, ignore_index, reduction, label_smoothing,
-                                      check_targets)
+                                      check_targets, inplace_backward)
+        if inplace_backward:  # the logits now hold the gradient: autograd's saved uses of them must fail
+            torch.autograd.graph.increment_version(logits)
         ctx.dlogits, ctx.reduction = dlogits, reduction  # not saved tensors: scaled in place once
         return loss
 
@@ -191,7 +242,7 @@ class _CrossEntropy(torch.autograd.Function):
             )
         grad = scaled_grad(ctx.dlogits, grad_loss, ctx.reduction, in_place=True)
         ctx.dlogits = None
-        return grad, None, None, None, None, None, None
+        return grad, None, None, None, None, None, None, None
 
 
 # -- the custom ops, for torch.compile ----------------------------------------------------
