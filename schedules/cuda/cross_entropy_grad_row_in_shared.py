@@ -24,7 +24,8 @@ workspace); rows over 112 KB (one block per SM would hide no latency: those go t
 
 Dispatched for rows of 1000 values to 112 KB read with 16-byte vectors once the batch
 fills the GPU (``prefers``: H200 measurements there). With a scalar row (V odd in
-fp16/bf16) it is slow: 16384x50257 bf16 took 2.47-8.0 ms, 3.2x the floor and more.
+fp16/bf16) it is slow: 16384x50257 bf16 took 2.47-8.0 ms, 3.2x the floor and more
+(knob sweep at 7f25795).
 """
 
 from __future__ import annotations
@@ -54,10 +55,10 @@ class CrossEntropyGradRowInShared(Candidate):
         return problem.mode == "fused" and CrossEntropyRowInShared.applies(self, problem)
 
     def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
-        # H200, 2026-12-01, kernels alone under graph replay, against the read + write
-        # floor: 4096x32000 fp16 0.1384 ms (1.12x; online 0.2046 with its default
-        # knobs, block per row 0.2571); 65536x1000 fp16 0.0869 (1.40x; warp per row
-        # 0.0939 with its default). Rows read as scalars lose (see the docstring).
+        # H200, run at 921bec8 (results/benchmarks.csv), kernels alone under graph
+        # replay, against the read + write floor: 4096x32000 fp16 0.1384 ms (1.11x;
+        # online 0.2044 with its default knobs, block per row 0.2574); 65536x1000 fp16
+        # 0.0867 (1.39x; warp per row 0.0950). Rows read as scalars lose (docstring).
         elem = DTYPE_BYTES[problem.dtype]
         return (widest_vector(problem.dtype, problem.classes) * elem == VECTOR_BYTES
                 and problem.classes >= 1000 and problem.batch >= 2 * sm_count(target))
@@ -67,8 +68,9 @@ class CrossEntropyGradRowInShared(Candidate):
 
     def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> RowInSharedKnobs:
         # The forward's, with 512 threads on rows of 2048 vectors and more: the
-        # gradient's third sweep and its stores want more lanes in flight (H200,
-        # 4096x32000 fp16: 0.1384 ms at 512 threads, 0.1522 at the forward's 256).
+        # gradient's third sweep and its stores want more lanes in flight (H200 knob
+        # sweep at 7f25795, 4096x32000 fp16: 0.1386 ms at 512 threads, 0.1522 at the
+        # forward's 256).
         knobs = CrossEntropyRowInShared.default_for(self, problem, target)
         if problem.classes // knobs.vector >= 2048:
             knobs = RowInSharedKnobs(threads=512, vector=knobs.vector, unroll=knobs.unroll)
