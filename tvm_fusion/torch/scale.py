@@ -86,8 +86,15 @@ def scale_function(dtype: str, device_type: str, numel: int):
         return _CACHE.setdefault(key, executable["main"])
 
 
+_BY_TENSOR: dict[tuple, Any] = {}  # (torch dtype, device type, numel % 8): no string work per call
+
+
 def scale_in_place(x: Any, g: Any) -> Any:
     """``x *= g`` (a 0-d float32 tensor) unless ``g`` is 1; returns ``x``."""
-    func = scale_function(str(x.dtype).removeprefix("torch."), x.device.type, x.numel())
+    numel = x.numel()
+    key = (x.dtype, x.device.type, numel % 8)  # the vector width follows numel % 8
+    func = _BY_TENSOR.get(key)
+    if func is None:
+        func = _BY_TENSOR[key] = scale_function(str(x.dtype).removeprefix("torch."), key[1], numel)
     func(x.view(-1), g)
     return x
