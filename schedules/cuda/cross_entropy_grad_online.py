@@ -68,9 +68,14 @@ class CrossEntropyGradOnline(Candidate):
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
         return problem.op == self.op and problem.mode == "fused"
 
-    # The forward's threshold: one HBM read of the row for the statistics pays once
-    # rows are long and fill the GPU (not measured for the gradient yet).
-    prefers = CrossEntropyOnline.prefers
+    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
+        # The forward's threshold (one HBM read of the row for the statistics pays once
+        # rows are long and fill the GPU), for rows read with 16-byte vectors. With
+        # scalar rows (V odd in fp16/bf16) a block per row wins: H200, 16384x50257 bf16,
+        # 1.5252 ms against 1.6268 at 8d09ffa and 1.5308 against 1.6301 at 921bec8
+        # (results/benchmarks.csv). 8192x128256 bf16: 1.5451 against 2.2139.
+        wide = widest_vector(problem.dtype, problem.classes) * DTYPE_BYTES[problem.dtype] == VECTOR_BYTES
+        return wide and CrossEntropyOnline.prefers(self, problem, target)
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
         return {
