@@ -1,0 +1,143 @@
+"""tvm_fusion.torch.fold: eval BatchNorm folded into the conv or linear before it.
+
+Each folded model's outputs equal the unfolded one's on fresh random inputs (float64
+models, so the tolerance is tight), no BatchNorm is left where folding was possible,
+every kept BatchNorm comes with its reason, and the given model is left as it was."""
+
+import pytest
+
+from helpers import rng, torch_or_none
+
+torch = torch_or_none()
+pytestmark = pytest.mark.skipif(torch is None, reason="needs torch")
+if torch is not None:
+    from torch import nn
+
+    from tvm_fusion.relax.model import example_inputs, small_resnet
+    from tvm_fusion.torch import fold
+
+
+def randomized(bn):
+    """BatchNorm statistics and affine parameters away from their defaults."""
+    with torch.no_grad():
+        n = bn.num_features
+        if bn.weight is not None:
+            bn.weight.copy_(1 + 0.5 * torch.randn(n, dtype=bn.weight.dtype))
+            bn.bias.copy_(0.5 * torch.randn(n, dtype=bn.bias.dtype))
+        bn.running_mean.copy_(0.5 * torch.randn(n, dtype=bn.running_mean.dtype))
+        bn.running_var.copy_(0.5 + torch.rand(n, dtype=bn.running_var.dtype))
+    return bn
+
+
+def seeded():
+    torch.manual_seed(int(rng().integers(2**31)))
+
+
+def batch_norms(model):
+    return [name for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+
+@pytest.mark.parametrize("layer, bn, shape", [
+    (lambda: nn.Conv2d(4, 6, 3, padding=1), lambda: nn.BatchNorm2d(6), (3, 4, 7, 5)),
+    (lambda: nn.Conv2d(4, 6, 3, groups=2, bias=False), lambda: nn.BatchNorm2d(6), (2, 4, 6, 6)),
+    (lambda: nn.Conv2d(6, 6, 3, groups=6), lambda: nn.BatchNorm2d(6, affine=False), (2, 6, 5, 5)),
+    (lambda: nn.Conv1d(3, 5, 4, bias=False), lambda: nn.BatchNorm1d(5, eps=1e-3), (4, 3, 9)),
+    (lambda: nn.Linear(7, 5), lambda: nn.BatchNorm1d(5), (6, 7)),
+    (lambda: nn.Linear(7, 5, bias=False), lambda: nn.BatchNorm1d(5, momentum=None), (6, 7)),
+])
+def test_a_layer_and_its_batch_norm_fold_to_the_same_outputs(layer, bn, shape):
+    seeded()
+    model = nn.Sequential(layer(), randomized(bn()), nn.ReLU()).double().eval()
+    x = torch.randn(*shape, dtype=torch.float64)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    folded, kept = fold(model, x)
+    assert kept == {} and batch_norms(folded) == []
+    torch.testing.assert_close(folded(x), model(x), rtol=1e-12, atol=1e-12)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items()), "fold changed its input"
+    fresh = torch.randn(*shape, dtype=torch.float64)
+    torch.testing.assert_close(folded(fresh), model(fresh), rtol=1e-12, atol=1e-12)
+
+
+def test_the_small_resnet_folds_every_batch_norm_and_keeps_its_outputs():
+    model = small_resnet().double().eval()
+    x, target = example_inputs()
+    x = x.double()
+    folded, kept = fold(model, x, target)
+    assert kept == {} and batch_norms(folded) == []
+    logits, loss = folded(x, target)
+    ref_logits, ref_loss = model(x, target)
+    torch.testing.assert_close(logits, ref_logits, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-10, atol=1e-10)
+
+
+def test_float32_fold_within_float_tolerance():
+    seeded()
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), randomized(nn.BatchNorm2d(8))).eval()
+    x = torch.randn(2, 3, 9, 9)
+    folded, kept = fold(model)
+    assert kept == {} and folded[0].weight.dtype == torch.float32
+    torch.testing.assert_close(folded(x), model(x), rtol=1e-5, atol=1e-5)
+
+
+class Shared(nn.Module):
+    """A conv whose output two layers read, a conv called twice, a BN after a relu."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv_read_twice = nn.Conv2d(2, 2, 1)
+        self.bn_a = nn.BatchNorm2d(2)
+        self.conv_called_twice = nn.Conv2d(2, 2, 1)
+        self.bn_b = nn.BatchNorm2d(2)
+        self.bn_after_relu = nn.BatchNorm2d(2)
+
+    def forward(self, x):
+        y = self.conv_read_twice(x)
+        a = self.bn_a(y) + y
+        b = self.bn_b(self.conv_called_twice(a)) + self.conv_called_twice(x)
+        return self.bn_after_relu(torch.relu(b))
+
+
+@pytest.mark.parametrize("model, words", [
+    (lambda: nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2)).train(), {"1": "training mode"}),
+    (lambda: nn.Sequential(nn.Conv2d(2, 2, 1), nn.BatchNorm2d(2, track_running_stats=False)).eval(),
+     {"1": "no running statistics"}),
+    (lambda: nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).eval(), {"1": "pass example inputs"}),
+    (lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.Flatten(), nn.BatchNorm1d(3)).eval(), {"2": "'1'"}),
+    (lambda: Shared().eval(), {"bn_a": "also read elsewhere", "bn_b": "called 2 times",
+                               "bn_after_relu": "not a Conv1d, Conv2d or Linear"}),
+])
+def test_a_batch_norm_that_cannot_fold_stays_with_its_reason(model, words):
+    seeded()
+    model = model()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and module.running_mean is not None:
+            randomized(module)
+    folded, kept = fold(model)
+    assert set(kept) == set(words)
+    for name, word in words.items():
+        assert word in kept[name], kept[name]
+    assert batch_norms(folded) == batch_norms(model)
+
+
+def test_a_linear_over_three_dims_is_not_folded_into_batch_norm1d():
+    seeded()
+    model = nn.Sequential(nn.Linear(4, 5), randomized(nn.BatchNorm1d(3))).eval()  # BN over dim 1 (L = 3)
+    x = torch.randn(2, 3, 4)
+    folded, kept = fold(model, x)
+    assert "output channels" in kept["1"] or "not 2-D" in kept["1"]
+    torch.testing.assert_close(folded(x), model(x))
+
+
+def test_an_untraceable_model_keeps_every_batch_norm_and_says_why():
+    class Branchy(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv, self.bn = nn.Conv2d(1, 1, 1), nn.BatchNorm2d(1)
+
+        def forward(self, x):
+            return self.bn(self.conv(x)) if x.sum() > 0 else x
+
+    folded, kept = fold(Branchy().eval())
+    assert "torch.fx cannot trace" in kept["bn"]
+    with pytest.raises(TypeError, match="must be a torch.nn.Module"):
+        fold("not a model")

@@ -1,0 +1,137 @@
+"""``fold(model)``: inference BatchNorm folded into the conv or linear layer before it.
+
+The PyTorch form of the Relax ``FoldBatchNorm`` pass, under the same contract. An
+eval-mode BatchNorm with running statistics is an affine map per channel: with
+``s = gamma / sqrt(running_var + eps)``::
+
+    W' = W * s   (per output channel: the weight's axis 0, for Conv1d, Conv2d of any
+                  groups, and Linear)
+    b' = (b - running_mean) * s + beta        (b = 0 when the layer has no bias)
+
+so ``bn(layer(x)) == layer'(x)`` and the BatchNorm becomes ``nn.Identity``. The
+arithmetic is float64; the new weight and bias keep the layer's dtype.
+
+The model is traced with ``torch.fx`` to find each BatchNorm's input. A BatchNorm
+stays, with its reason, unless:
+
+- it is in eval mode and has running statistics (``track_running_stats``);
+- its input is the output of a ``Conv1d``, ``Conv2d`` or ``Linear`` submodule call,
+  and nothing else reads that output;
+- the layer and the BatchNorm are each called once in the traced forward (a shared
+  layer would change its other uses);
+- the layer's output channels equal the BatchNorm's features and lie on dim 1 of
+  its input: always true for ``Conv2d`` -> ``BatchNorm2d`` (4-D); for ``Conv1d`` and
+  ``Linear`` -> ``BatchNorm1d`` the input's rank must be known, so they fold only
+  when ``example_inputs`` are given and the BatchNorm's input is 3-D (Conv1d) or
+  2-D (Linear) there (a Linear over (N, L, F) feeding ``BatchNorm1d(L)`` would
+  normalize the wrong axis).
+
+The given model is not modified: ``fold`` returns a folded deep copy.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+LAYERS = (nn.Conv1d, nn.Conv2d, nn.Linear)
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
+
+
+def fold(model: nn.Module, *example_inputs: Any) -> tuple[nn.Module, dict[str, str]]:
+    """A deep copy of ``model`` with every foldable BatchNorm folded into the layer
+    before it (and replaced by ``nn.Identity``), and ``{name: reason}`` for every
+    BatchNorm kept. ``example_inputs`` (the forward's arguments) let Conv1d and
+    Linear pairs be checked and folded; see the module docstring."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"fold: model must be a torch.nn.Module, got {type(model).__name__}")
+    folded = copy.deepcopy(model)
+    modules = dict(folded.named_modules())
+    norms = [name for name, module in modules.items() if isinstance(module, BATCH_NORMS)]
+    try:
+        graph = torch.fx.symbolic_trace(folded)
+    except Exception as err:  # noqa: BLE001 - a model fx cannot trace keeps every BatchNorm
+        return folded, {name: f"torch.fx cannot trace the model: {type(err).__name__}: {err}" for name in norms}
+    if example_inputs:
+        from torch.fx.passes.shape_prop import ShapeProp
+
+        with torch.no_grad():
+            ShapeProp(graph).propagate(*example_inputs)
+    calls: dict[str, int] = {}
+    for node in graph.graph.nodes:
+        if node.op == "call_module":
+            calls[node.target] = calls.get(node.target, 0) + 1
+    kept: dict[str, str] = {name: "not called in the traced forward" for name in norms}
+    for node in graph.graph.nodes:
+        if node.op != "call_module" or node.target not in kept:
+            continue
+        bn = modules[node.target]
+        reason = _why_kept(node, bn, modules, calls, bool(example_inputs))
+        if reason is not None:
+            kept[node.target] = reason
+            continue
+        layer = modules[node.args[0].target]
+        _fold_into(layer, bn)
+        _replace(folded, node.target, nn.Identity())
+        del kept[node.target]
+    return folded, kept
+
+
+def _why_kept(node, bn, modules, calls, shapes_known: bool) -> str | None:
+    if bn.training:
+        return "training mode (the batch's statistics, not running ones, normalize)"
+    if bn.running_mean is None or bn.running_var is None:
+        return "no running statistics (track_running_stats=False): eval normalizes by the batch's"
+    if calls[node.target] > 1:
+        return f"called {calls[node.target]} times in the forward"
+    if len(node.args) != 1 or node.kwargs or not isinstance(node.args[0], torch.fx.Node):
+        return "its input is not a single traced value"
+    source = node.args[0]
+    layer = modules.get(source.target) if source.op == "call_module" else None
+    if not isinstance(layer, LAYERS):
+        what = source.target if source.op != "call_function" else getattr(source.target, "__name__", source.target)
+        return f"its input is {source.op} {what!r}, not a Conv1d, Conv2d or Linear submodule"
+    if len(source.users) > 1:
+        return f"the output of {source.target!r} is also read elsewhere ({len(source.users)} readers)"
+    if calls[source.target] > 1:
+        return f"{source.target!r} is called {calls[source.target]} times in the forward"
+    out_features = layer.out_channels if isinstance(layer, (nn.Conv1d, nn.Conv2d)) else layer.out_features
+    if out_features != bn.num_features:
+        return f"{source.target!r} has {out_features} output channels, the BatchNorm {bn.num_features} features"
+    if isinstance(layer, nn.Conv2d):
+        return None if isinstance(bn, nn.BatchNorm2d) else "a Conv2d followed by a BatchNorm1d"
+    rank = 3 if isinstance(layer, nn.Conv1d) else 2
+    if not shapes_known:
+        return (f"the rank of {source.target!r}'s output is unknown: pass example inputs to fold "
+                "a Conv1d or Linear into a BatchNorm1d")
+    meta = source.meta.get("tensor_meta")
+    if meta is None or len(meta.shape) != rank:
+        got = "unknown" if meta is None else f"{len(meta.shape)}-D"
+        return f"{source.target!r}'s output is {got} in the example, not {rank}-D (channels on dim 1)"
+    return None
+
+
+@torch.no_grad()
+def _fold_into(layer: nn.Module, bn: nn.Module) -> None:
+    """W' = W * s, b' = (b - running_mean) * s + beta, in float64."""
+    weight = layer.weight
+    gamma = bn.weight.double() if bn.weight is not None else torch.ones(bn.num_features, dtype=torch.float64)
+    beta = bn.bias.double() if bn.bias is not None else torch.zeros(bn.num_features, dtype=torch.float64)
+    scale = gamma.to(weight.device) / torch.sqrt(bn.running_var.double() + bn.eps)
+    bias = layer.bias.double() if layer.bias is not None else torch.zeros_like(scale)
+    new_bias = (bias - bn.running_mean.double()) * scale + beta.to(scale.device)
+    shape = (-1,) + (1,) * (weight.dim() - 1)
+    layer.weight.copy_((weight.double() * scale.view(shape)).to(weight.dtype))
+    if layer.bias is not None:
+        layer.bias.copy_(new_bias.to(layer.bias.dtype))
+    else:
+        layer.bias = nn.Parameter(new_bias.to(weight.dtype), requires_grad=weight.requires_grad)
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
