@@ -141,3 +141,66 @@ def test_an_untraceable_model_keeps_every_batch_norm_and_says_why():
     assert "torch.fx cannot trace" in kept["bn"]
     with pytest.raises(TypeError, match="must be a torch.nn.Module"):
         fold("not a model")
+
+
+# -- patch / unpatch ---------------------------------------------------------------------
+class WithLosses(nn.Module):
+    def __init__(self, weight):
+        super().__init__()
+        self.fc = nn.Linear(6, 5)
+        self.loss = nn.CrossEntropyLoss(weight, label_smoothing=0.1)
+        self.heads = nn.ModuleDict({"aux": nn.CrossEntropyLoss(ignore_index=2, reduction="sum")})
+
+    def forward(self, x, target):
+        logits = self.fc(x)
+        return self.loss(logits, target) + self.heads["aux"](logits, target)
+
+
+def test_patch_swaps_cross_entropy_losses_and_training_matches_torch():
+    from tvm_fusion.torch import PatchedCrossEntropyLoss, patch, unpatch
+
+    seeded()
+    weight = torch.rand(5) + 0.1
+    model, reference = WithLosses(weight), WithLosses(weight)
+    reference.load_state_dict(model.state_dict())
+    originals = {"loss": model.loss, "heads.aux": model.heads["aux"]}
+    swaps = patch(model)
+    assert {s.name for s in swaps} == set(originals) and patch(model) == []
+    assert all(isinstance(s.replacement, PatchedCrossEntropyLoss) for s in swaps)
+    assert model.heads["aux"].ignore_index == 2 and model.loss.label_smoothing == 0.1
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference))
+    start = model.fc.weight.detach().clone()
+    for _ in range(5):
+        x, t = torch.randn(12, 6), torch.randint(0, 5, (12,))
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            m(x, t).backward()
+            o.step()
+        torch.testing.assert_close(model.fc.weight, reference.fc.weight, rtol=1e-5, atol=1e-6)
+    assert (model.fc.weight - start).abs().max() > 1e-3  # it trained
+    x64 = torch.randn(3, 6, dtype=torch.float64)  # float64: torch's path, same answer
+    torch.testing.assert_close(model.double()(x64, t[:3]), reference.double()(x64, t[:3]))
+    restored = unpatch(model)
+    assert {r.name for r in restored} == set(originals)
+    assert model.loss is originals["loss"] and model.heads["aux"] is originals["heads.aux"]
+
+
+def test_a_patched_loss_hands_forms_it_does_not_cover_to_torch():
+    from tvm_fusion.torch import patch
+
+    holder = nn.Module()
+    holder.loss = nn.CrossEntropyLoss(label_smoothing=0.05)
+    patch(holder)
+    seeded()
+    images, pixels = torch.randn(2, 4, 3, 3), torch.randint(0, 4, (2, 3, 3))
+    probabilities = torch.softmax(torch.randn(5, 4), dim=1)
+    logits = torch.randn(5, 4)
+    import torch.nn.functional as F
+    torch.testing.assert_close(holder.loss(images, pixels), F.cross_entropy(images, pixels, label_smoothing=0.05))
+    torch.testing.assert_close(holder.loss(logits, probabilities),
+                               F.cross_entropy(logits, probabilities, label_smoothing=0.05))
+    torch.testing.assert_close(holder.loss(logits, torch.tensor([0, 1, 2, 3, 0])),
+                               F.cross_entropy(logits, torch.tensor([0, 1, 2, 3, 0]), label_smoothing=0.05),
+                               rtol=1e-5, atol=1e-6)
+    with pytest.raises(TypeError, match="the model itself"):
+        patch(nn.CrossEntropyLoss())
