@@ -6,6 +6,7 @@ tried when there is no tuning record: most specific first, fallback last.
 """
 
 from .cpu import (  # noqa: F401
+    bn_backward_parallel,
     bn_stats_parallel,
     cross_entropy_grad_from_lse_parallel,
     cross_entropy_grad_parallel,
@@ -52,6 +53,9 @@ DISPATCH_ORDER = {
     ],
     ("bn_stats", "llvm"): [
         "bn_stats_parallel",
+    ],
+    ("bn_backward", "llvm"): [
+        "bn_backward_parallel",
     ],
     ("cross_entropy", "llvm"): [
         "cross_entropy_parallel",

@@ -16,6 +16,7 @@ from . import arrays, records, target_check, targets
 from .arrays import signature
 from .contracts import (
     TargetOutOfRangeError,
+    bn_backward_problem,
     bn_stats_problem,
     cross_entropy_problem,
 )
@@ -27,7 +28,7 @@ from .kernel import Kernel
 OPS = ("bn_stats", "cross_entropy")  # the calls
 # What build, tune, explain and the CLI's tune/build/show take: the calls' kernels and
 # the cross entropy gradient's (tvm_fusion.torch launches those).
-KERNEL_OPS = OPS + ("cross_entropy_grad",)
+KERNEL_OPS = OPS + ("cross_entropy_grad", "bn_backward")
 
 # The hot path: a launcher per call signature (every argument's kind, shape, dtype,
 # device and layout, and the options), built once after the contract's checks.
@@ -257,6 +258,12 @@ def make_problem(op: str, shape: Any, dtype: str, **options: Any):
         if unknown:
             raise TypeError(f"bn_stats: unknown option(s) {sorted(unknown)}; known: ['layout']")
         return bn_stats_problem(shape, dtype, options.get("layout", "NCHW"))
+    if op == "bn_backward":
+        unknown = set(options) - {"layout", "affine", "training"}
+        if unknown:
+            raise TypeError(f"bn_backward: unknown option(s) {sorted(unknown)}; known: ['affine', 'layout', 'training']")
+        return bn_backward_problem(shape, dtype, options.get("layout", "NCHW"), options.get("affine", True),
+                                   options.get("training", True))
     known = {"target_dtype", "weight", "ignore_index", "reduction", "label_smoothing"}
     if op == "cross_entropy_grad":
         known |= {"mode", "in_place"}

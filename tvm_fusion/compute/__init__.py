@@ -6,7 +6,9 @@ import json
 
 from tvm import te, tirx
 
-from ..contracts import BNStatsProblem, CrossEntropyGradProblem, CrossEntropyProblem, Problem
+from ..contracts import BNBackwardProblem, BNStatsProblem, CrossEntropyGradProblem, CrossEntropyProblem, Problem
+from .bn_backward import ALGORITHMS as BN_BACKWARD_ALGORITHMS
+from .bn_backward import bn_backward_te
 from .bn_stats import ALGORITHMS as BN_ALGORITHMS
 from .bn_stats import bn_stats_te
 from .cross_entropy import ALGORITHMS as CE_ALGORITHMS
@@ -14,9 +16,10 @@ from .cross_entropy import cross_entropy_te
 from .cross_entropy_grad import ALGORITHMS as CE_GRAD_ALGORITHMS
 from .cross_entropy_grad import DEFAULT_FOR_MODE, MODE_OF, cross_entropy_grad_te
 
-ALGORITHMS = {"bn_stats": BN_ALGORITHMS, "cross_entropy": CE_ALGORITHMS, "cross_entropy_grad": CE_GRAD_ALGORITHMS}
+ALGORITHMS = {"bn_stats": BN_ALGORITHMS, "bn_backward": BN_BACKWARD_ALGORITHMS, "cross_entropy": CE_ALGORITHMS,
+              "cross_entropy_grad": CE_GRAD_ALGORITHMS}
 # cross_entropy_grad's default depends on the problem's mode (DEFAULT_FOR_MODE): see default_algorithm.
-DEFAULT_ALGORITHM = {"bn_stats": "shifted", "cross_entropy": "three_pass"}
+DEFAULT_ALGORITHM = {"bn_stats": "shifted", "bn_backward": "dual_reduce", "cross_entropy": "three_pass"}
 
 
 def default_algorithm(problem: Problem) -> str:
@@ -36,6 +39,8 @@ def te_tensors(problem: Problem, algorithm: str | None = None) -> list[te.Tensor
     algorithm = algorithm or default_algorithm(problem)
     if isinstance(problem, BNStatsProblem):
         return bn_stats_te(problem, algorithm)
+    if isinstance(problem, BNBackwardProblem):
+        return bn_backward_te(problem, algorithm)
     if isinstance(problem, CrossEntropyProblem):
         return cross_entropy_te(problem, algorithm)
     if isinstance(problem, CrossEntropyGradProblem):
@@ -66,7 +71,7 @@ def problem_to_json(problem: Problem) -> str:
     fields = {k: v for k, v in problem.__dict__.items()}
     if fields.get("in_place") is False:  # the out-of-place gradient's JSON (and records) as before
         del fields["in_place"]
-    if isinstance(problem, BNStatsProblem):
+    if isinstance(problem, (BNStatsProblem, BNBackwardProblem)):
         fields["shape"] = list(problem.shape)
         fields["input_shape"] = list(problem.input_shape)
     return json.dumps({"op": problem.op, **fields}, sort_keys=True)
@@ -75,10 +80,10 @@ def problem_to_json(problem: Problem) -> str:
 def problem_from_json(text: str) -> Problem:
     fields = json.loads(text)
     op = fields.pop("op")
-    if op == "bn_stats":
+    if op in ("bn_stats", "bn_backward"):
         fields["shape"] = tuple(fields["shape"])
         fields["input_shape"] = tuple(fields["input_shape"])
-        return BNStatsProblem(**fields)
+        return (BNStatsProblem if op == "bn_stats" else BNBackwardProblem)(**fields)
     if op == "cross_entropy_grad":
         return CrossEntropyGradProblem(**fields)
     return CrossEntropyProblem(**fields)

@@ -1,17 +1,20 @@
 """Semantic level: operator contracts (argument checks, canonical problems, float64 references)."""
 
+from .bn_backward import BNBackwardProblem, bn_backward_problem
 from .bn_stats import BNStatsProblem, bn_stats_problem
 from .cross_entropy import CrossEntropyProblem, TargetOutOfRangeError, cross_entropy_problem
 from .cross_entropy_grad import CrossEntropyGradProblem, cross_entropy_grad_problem
 
-Problem = BNStatsProblem | CrossEntropyProblem | CrossEntropyGradProblem
+Problem = BNStatsProblem | BNBackwardProblem | CrossEntropyProblem | CrossEntropyGradProblem
 
 __all__ = [
+    "BNBackwardProblem",
     "BNStatsProblem",
     "CrossEntropyGradProblem",
     "CrossEntropyProblem",
     "Problem",
     "TargetOutOfRangeError",
+    "bn_backward_problem",
     "bn_stats_problem",
     "cross_entropy_grad_problem",
     "cross_entropy_problem",

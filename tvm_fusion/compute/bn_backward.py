@@ -1,0 +1,88 @@
+"""Algorithm level of BatchNorm's backward: one dual reduction per channel, then a map.
+
+``dual_reduce``  ``x, dy(SRR) -> (sum dy, sum dy * xhat)(S) -> dbias, dweight, coef(S)
+-> dx(SSS)``
+
+1. ``grad_sums``: per channel, ``sum dy`` and ``sum dy * xhat`` with
+   ``xhat = (x - mean) * invstd``, in float32 (one read of x and dy);
+2. ``dbias``, ``dweight``: the two sums (torch's gradients of bias and weight);
+3. per channel coefficients (``bn_dx_scale`` = weight * invstd, ``bn_dx_mean`` =
+   dbias / n, ``bn_dx_xhat`` = dweight / n, read from the outputs so that a schedule
+   can put the whole chain at a channel loop; eval needs the scale only);
+4. ``dx``: the map ``scale * (dy - mean_term - xhat * xhat_term)``, in x's dtype
+   (a second read of x and dy, unless a schedule keeps them on chip).
+
+Block names are what schedules refer to.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from ..contracts.bn_backward import BNBackwardProblem
+from .primitives import DUAL_SUM, dims, index_dtype, widen
+
+ALGORITHMS = ("dual_reduce",)
+F32 = "float32"
+
+
+def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -> list[te.Tensor]:
+    """TE tensors ``[x, dy, mean, invstd, (weight,) dx, dweight, dbias]``."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"bn_backward: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    idx = index_dtype(problem.numel)
+    shape = dims(problem.shape, idx)
+    channels = dims([problem.channels], idx)
+    x = te.placeholder(shape, problem.dtype, name="x")
+    dy = te.placeholder(shape, problem.dtype, name="dy")
+    mean = te.placeholder(channels, F32, name="mean")
+    invstd = te.placeholder(channels, F32, name="invstd")
+    weight = te.placeholder(channels, F32, name="weight") if problem.affine else None
+    count = float(problem.count)
+
+    if problem.channels_last:
+        m = te.reduce_axis((tirx.IntImm(idx, 0), shape[0]), name="m")
+        axes = [m]
+
+        def at(c):
+            return (m, c)
+
+        def channel_of(*index):
+            return index[1]
+    else:
+        n = te.reduce_axis((tirx.IntImm(idx, 0), shape[0]), name="n")
+        l = te.reduce_axis((tirx.IntImm(idx, 0), shape[2]), name="l")
+        axes = [n, l]
+
+        def at(c):
+            return (n, c, l)
+
+        def channel_of(*index):
+            return index[1]
+
+    def sums_body(c):
+        g = widen(dy[at(c)], problem.dtype)
+        xhat = (widen(x[at(c)], problem.dtype) - mean[c]) * invstd[c]
+        return DUAL_SUM((g, g * xhat), axis=axes)
+
+    sum_dy, sum_dy_xhat = te.compute(channels, sums_body, name="grad_sums")
+    dbias = te.compute(channels, lambda c: sum_dy[c], name="dbias")
+    dweight = te.compute(channels, lambda c: sum_dy_xhat[c], name="dweight")
+    scale = te.compute(channels, lambda c: invstd[c] * weight[c] if weight is not None else invstd[c],
+                       name="bn_dx_scale")
+    if problem.training:
+        mean_term = te.compute(channels, lambda c: dbias[c] / count, name="bn_dx_mean")
+        xhat_term = te.compute(channels, lambda c: dweight[c] / count, name="bn_dx_xhat")
+
+    def dx_body(*index):
+        c = channel_of(*index)
+        g = widen(dy[index], problem.dtype)
+        if problem.training:
+            xhat = (widen(x[index], problem.dtype) - mean[c]) * invstd[c]
+            g = g - mean_term[c] - xhat * xhat_term[c]
+        value = scale[c] * g
+        return value if problem.dtype == F32 else value.astype(problem.dtype)
+
+    dx = te.compute(shape, dx_body, name="dx")
+    params = [x, dy, mean, invstd] + ([weight] if weight is not None else [])
+    return params + [dx, dweight, dbias]
