@@ -27,14 +27,14 @@ from typing import ClassVar
 
 import numpy as np
 
-from .bn_stats import bn_stats_problem
+from .bn_stats import ChannelView, bn_stats_problem
 from .common import DTYPE_BYTES
 
 OP = "bn_backward"
 
 
 @dataclass(frozen=True)
-class BNBackwardProblem:
+class BNBackwardProblem(ChannelView):
     """One BatchNorm backward in bn_stats's canonical view, plus ``affine`` and
     ``training``."""
 
@@ -48,19 +48,6 @@ class BNBackwardProblem:
     op: ClassVar[str] = OP
 
     @property
-    def channels(self) -> int:
-        return self.shape[-1] if self.channels_last else self.shape[1]
-
-    @property
-    def count(self) -> int:
-        """Values per channel."""
-        return int(np.prod(self.shape)) // self.channels
-
-    @property
-    def numel(self) -> int:
-        return int(np.prod(self.shape))
-
-    @property
     def num_inputs(self) -> int:
         """Parameters before the outputs: x, dy, mean, invstd[, weight]."""
         return 5 if self.affine else 4
@@ -70,10 +57,6 @@ class BNBackwardProblem:
         """Fewest bytes: x and dy read once, dx written once (a kernel that keeps
         them on chip between the sums and the map), the per-channel vectors."""
         return 3 * self.numel * DTYPE_BYTES[self.dtype] + 4 * self.channels * (5 if self.affine else 4)
-
-    @property
-    def view(self) -> str:
-        return "mc" if self.channels_last else "ncl"
 
     def key(self) -> str:
         dims = "x".join(str(d) for d in self.shape)

@@ -28,20 +28,12 @@ OP = "bn_stats"
 LAYOUTS = ("NCHW", "NHWC")
 
 
-@dataclass(frozen=True)
-class BNStatsProblem:
-    """One bn_stats problem in canonical form.
-
-    ``shape`` is ``(N, C, L)`` when ``channels_last`` is False and ``(M, C)``
-    when it is True; ``input_shape`` and ``layout`` keep what the caller gave.
-    """
+class ChannelView:
+    """What the canonical view says, for problems with ``shape`` and ``channels_last``
+    (bn_stats's and BatchNorm's backward): (N, C, L), or (M, C) channels last."""
 
     shape: tuple[int, ...]
-    dtype: str
     channels_last: bool
-    input_shape: tuple[int, ...]
-    layout: str = "NCHW"
-    op: ClassVar[str] = OP
 
     @property
     def channels(self) -> int:
@@ -57,6 +49,26 @@ class BNStatsProblem:
         return numel(self.shape)
 
     @property
+    def view(self) -> str:
+        return "mc" if self.channels_last else "ncl"
+
+
+@dataclass(frozen=True)
+class BNStatsProblem(ChannelView):
+    """One bn_stats problem in canonical form.
+
+    ``shape`` is ``(N, C, L)`` when ``channels_last`` is False and ``(M, C)``
+    when it is True; ``input_shape`` and ``layout`` keep what the caller gave.
+    """
+
+    shape: tuple[int, ...]
+    dtype: str
+    channels_last: bool
+    input_shape: tuple[int, ...]
+    layout: str = "NCHW"
+    op: ClassVar[str] = OP
+
+    @property
     def num_inputs(self) -> int:
         """Parameters of the PrimFunc before its outputs: x."""
         return 1
@@ -65,10 +77,6 @@ class BNStatsProblem:
     def bytes_moved(self) -> int:
         """Fewest bytes a kernel must move: the input once, two float32 vectors out."""
         return self.numel * DTYPE_BYTES[self.dtype] + 2 * 4 * self.channels
-
-    @property
-    def view(self) -> str:
-        return "mc" if self.channels_last else "ncl"
 
     def key(self) -> str:
         dims = "x".join(str(d) for d in self.shape)
