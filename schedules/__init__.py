@@ -13,6 +13,7 @@ from .cpu import (  # noqa: F401
     cross_entropy_parallel,
 )
 from .cuda import (  # noqa: F401
+    bn_backward_block_per_channel,
     bn_stats_block_per_channel,
     bn_stats_channels_last,
     bn_stats_split_plane,
@@ -56,6 +57,9 @@ DISPATCH_ORDER = {
     ],
     ("bn_backward", "llvm"): [
         "bn_backward_parallel",
+    ],
+    ("bn_backward", "cuda"): [
+        "bn_backward_block_per_channel",
     ],
     ("cross_entropy", "llvm"): [
         "cross_entropy_parallel",

@@ -88,8 +88,8 @@ class BNBackwardParallel(Candidate):
         for name in dx_coefficients(problem):
             sch.compute_at(sch.get_sblock(name), c, preserve_unit_loops=True)
         outputs = [sch.get_loops(sch.get_sblock(name))[0] for name in ("dbias", "dweight")]
-        if problem.training:  # one channel loop: the sums, dbias, dweight, then the plane's dx
-            channel = sch.merge(*outputs, c)
+        if problem.training:  # one channel loop: the sums, the plane's dx, dbias, dweight
+            channel = sch.merge(c, *outputs)
         else:  # eval: dx reads no sum; the sums are their own channel loop
             channel = sch.merge(*outputs)
             if parallel:

@@ -7,8 +7,9 @@
    ``xhat = (x - mean) * invstd``, in float32 (one read of x and dy);
 2. ``dbias``, ``dweight``: the two sums (torch's gradients of bias and weight);
 3. per channel coefficients (``bn_dx_scale`` = weight * invstd, ``bn_dx_mean`` =
-   dbias / n, ``bn_dx_xhat`` = dweight / n, read from the outputs so that a schedule
-   can put the whole chain at a channel loop; eval needs the scale only);
+   sum dy / n, ``bn_dx_xhat`` = sum dy * xhat / n, from the sums, not the outputs: on
+   a GPU every thread reads them, and only one thread writes an output; eval needs
+   the scale only);
 4. ``dx``: the map ``scale * (dy - mean_term - xhat * xhat_term)``, in x's dtype
    (a second read of x and dy, unless a schedule keeps them on chip).
 
@@ -71,8 +72,8 @@ def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -
     scale = te.compute(channels, lambda c: invstd[c] * weight[c] if weight is not None else invstd[c],
                        name="bn_dx_scale")
     if problem.training:
-        mean_term = te.compute(channels, lambda c: dbias[c] / count, name="bn_dx_mean")
-        xhat_term = te.compute(channels, lambda c: dweight[c] / count, name="bn_dx_xhat")
+        mean_term = te.compute(channels, lambda c: sum_dy[c] / count, name="bn_dx_mean")
+        xhat_term = te.compute(channels, lambda c: sum_dy_xhat[c] / count, name="bn_dx_xhat")
 
     def dx_body(*index):
         c = channel_of(*index)
