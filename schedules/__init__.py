@@ -7,6 +7,7 @@ tried when there is no tuning record: most specific first, fallback last.
 
 from .cpu import (  # noqa: F401
     bn_backward_parallel,
+    bn_forward_parallel,
     bn_stats_parallel,
     cross_entropy_grad_from_lse_parallel,
     cross_entropy_grad_parallel,
@@ -57,6 +58,10 @@ DISPATCH_ORDER = {
     ],
     ("bn_backward", "llvm"): [
         "bn_backward_parallel",
+    ],
+    ("bn_forward", "llvm"): [
+        "bn_forward_parallel",
+        "bn_forward_eval_parallel",
     ],
     ("bn_backward", "cuda"): [
         "bn_backward_block_per_channel",

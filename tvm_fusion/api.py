@@ -17,6 +17,7 @@ from .arrays import signature
 from .contracts import (
     TargetOutOfRangeError,
     bn_backward_problem,
+    bn_forward_problem,
     bn_stats_problem,
     cross_entropy_problem,
 )
@@ -28,7 +29,7 @@ from .kernel import Kernel
 OPS = ("bn_stats", "cross_entropy")  # the calls
 # What build, tune, explain and the CLI's tune/build/show take: the calls' kernels and
 # the cross entropy gradient's (tvm_fusion.torch launches those).
-KERNEL_OPS = OPS + ("cross_entropy_grad", "bn_backward")
+KERNEL_OPS = OPS + ("cross_entropy_grad", "bn_forward", "bn_backward")
 
 # The hot path: a launcher per call signature (every argument's kind, shape, dtype,
 # device and layout, and the options), built once after the contract's checks.
@@ -264,6 +265,14 @@ def make_problem(op: str, shape: Any, dtype: str, **options: Any):
             raise TypeError(f"bn_backward: unknown option(s) {sorted(unknown)}; known: ['affine', 'layout', 'training']")
         return bn_backward_problem(shape, dtype, options.get("layout", "NCHW"), options.get("affine", True),
                                    options.get("training", True))
+    if op == "bn_forward":
+        known = {"layout", "affine", "training", "track_running", "eps"}
+        unknown = set(options) - known
+        if unknown:
+            raise TypeError(f"bn_forward: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
+        return bn_forward_problem(shape, dtype, options.get("layout", "NCHW"), options.get("affine", True),
+                                  options.get("training", True), options.get("track_running", True),
+                                  options.get("eps", 1e-5))
     known = {"target_dtype", "weight", "ignore_index", "reduction", "label_smoothing"}
     if op == "cross_entropy_grad":
         known |= {"mode", "in_place"}

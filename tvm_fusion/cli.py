@@ -81,7 +81,7 @@ def _problem(op: str, shape: tuple[int, ...], dtype: str, args: argparse.Namespa
     from .api import make_problem
 
     options = _options(args)
-    if op in ("bn_stats", "bn_backward"):
+    if op in ("bn_stats", "bn_backward", "bn_forward"):
         options = {k: v for k, v in options.items() if k == "layout"}
     else:
         options.pop("layout", None)
@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_relax(sub)
 
     show = sub.add_parser("show", help="print contract, TE compute, scheduled TIR, trace and source")
-    show.add_argument("op", help="bn_stats, cross_entropy, cross_entropy_grad or bn_backward")
+    show.add_argument("op", help="bn_stats, cross_entropy, cross_entropy_grad, bn_forward or bn_backward")
     show.add_argument("shape", help="e.g. 64x256x56x56")
     show.add_argument("--dtype", default="float16")
     show.add_argument("--target", default="cuda", help="cuda, llvm or a JSON target dict")

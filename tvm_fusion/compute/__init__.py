@@ -6,9 +6,14 @@ import json
 
 from tvm import te, tirx
 
-from ..contracts import BNBackwardProblem, BNStatsProblem, CrossEntropyGradProblem, CrossEntropyProblem, Problem
+from ..contracts import (
+    BNBackwardProblem, BNForwardProblem, BNStatsProblem, CrossEntropyGradProblem, CrossEntropyProblem, Problem,
+)
 from .bn_backward import ALGORITHMS as BN_BACKWARD_ALGORITHMS
 from .bn_backward import bn_backward_te
+from .bn_forward import ALGORITHMS as BN_FORWARD_ALGORITHMS
+from .bn_forward import bn_forward_te
+from .bn_forward import default_algorithm as bn_forward_default
 from .bn_stats import ALGORITHMS as BN_ALGORITHMS
 from .bn_stats import bn_stats_te
 from .cross_entropy import ALGORITHMS as CE_ALGORITHMS
@@ -16,8 +21,8 @@ from .cross_entropy import cross_entropy_te
 from .cross_entropy_grad import ALGORITHMS as CE_GRAD_ALGORITHMS
 from .cross_entropy_grad import DEFAULT_FOR_MODE, MODE_OF, cross_entropy_grad_te
 
-ALGORITHMS = {"bn_stats": BN_ALGORITHMS, "bn_backward": BN_BACKWARD_ALGORITHMS, "cross_entropy": CE_ALGORITHMS,
-              "cross_entropy_grad": CE_GRAD_ALGORITHMS}
+ALGORITHMS = {"bn_stats": BN_ALGORITHMS, "bn_backward": BN_BACKWARD_ALGORITHMS, "bn_forward": BN_FORWARD_ALGORITHMS,
+              "cross_entropy": CE_ALGORITHMS, "cross_entropy_grad": CE_GRAD_ALGORITHMS}
 # cross_entropy_grad's default depends on the problem's mode (DEFAULT_FOR_MODE): see default_algorithm.
 DEFAULT_ALGORITHM = {"bn_stats": "shifted", "bn_backward": "dual_reduce", "cross_entropy": "three_pass"}
 
@@ -25,6 +30,8 @@ DEFAULT_ALGORITHM = {"bn_stats": "shifted", "bn_backward": "dual_reduce", "cross
 def default_algorithm(problem: Problem) -> str:
     if isinstance(problem, CrossEntropyGradProblem):
         return DEFAULT_FOR_MODE[problem.mode]
+    if isinstance(problem, BNForwardProblem):  # training's statistics or eval's running ones
+        return bn_forward_default(problem)
     return DEFAULT_ALGORITHM[problem.op]
 
 
@@ -32,6 +39,8 @@ def algorithms_for(problem: Problem) -> tuple[str, ...]:
     """The decompositions that compute ``problem`` (a gradient's: those of its mode)."""
     if isinstance(problem, CrossEntropyGradProblem):
         return tuple(a for a in CE_GRAD_ALGORITHMS if MODE_OF[a] == problem.mode)
+    if isinstance(problem, BNForwardProblem):
+        return tuple(a for a in BN_FORWARD_ALGORITHMS if (a == "running") != problem.training)
     return ALGORITHMS[problem.op]
 
 
@@ -41,6 +50,8 @@ def te_tensors(problem: Problem, algorithm: str | None = None) -> list[te.Tensor
         return bn_stats_te(problem, algorithm)
     if isinstance(problem, BNBackwardProblem):
         return bn_backward_te(problem, algorithm)
+    if isinstance(problem, BNForwardProblem):
+        return bn_forward_te(problem, algorithm)
     if isinstance(problem, CrossEntropyProblem):
         return cross_entropy_te(problem, algorithm)
     if isinstance(problem, CrossEntropyGradProblem):
@@ -71,7 +82,7 @@ def problem_to_json(problem: Problem) -> str:
     fields = {k: v for k, v in problem.__dict__.items()}
     if fields.get("in_place") is False:  # the out-of-place gradient's JSON (and records) as before
         del fields["in_place"]
-    if isinstance(problem, (BNStatsProblem, BNBackwardProblem)):
+    if isinstance(problem, (BNStatsProblem, BNBackwardProblem, BNForwardProblem)):
         fields["shape"] = list(problem.shape)
         fields["input_shape"] = list(problem.input_shape)
     return json.dumps({"op": problem.op, **fields}, sort_keys=True)
@@ -80,10 +91,11 @@ def problem_to_json(problem: Problem) -> str:
 def problem_from_json(text: str) -> Problem:
     fields = json.loads(text)
     op = fields.pop("op")
-    if op in ("bn_stats", "bn_backward"):
+    if op in ("bn_stats", "bn_backward", "bn_forward"):
         fields["shape"] = tuple(fields["shape"])
         fields["input_shape"] = tuple(fields["input_shape"])
-        return (BNStatsProblem if op == "bn_stats" else BNBackwardProblem)(**fields)
+        kind = {"bn_stats": BNStatsProblem, "bn_backward": BNBackwardProblem, "bn_forward": BNForwardProblem}[op]
+        return kind(**fields)
     if op == "cross_entropy_grad":
         return CrossEntropyGradProblem(**fields)
     return CrossEntropyProblem(**fields)

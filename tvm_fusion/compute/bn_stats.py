@@ -33,9 +33,15 @@ def bn_stats_te(problem: BNStatsProblem, algorithm: str = "shifted") -> list[te.
     """TE tensors ``[x, mean, var]`` for ``problem`` under ``algorithm``."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"bn_stats: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    x = te.placeholder(dims(problem.shape, index_dtype(problem.numel)), problem.dtype, name="x")
+    return [x, *statistics(problem, x, algorithm)]
+
+
+def statistics(problem, x: te.Tensor, algorithm: str) -> tuple[te.Tensor, te.Tensor]:
+    """``(mean, var)`` of ``x`` per channel: the stages above, for any problem with the
+    canonical view (``shape``, ``channels_last``, ``channels``, ``count``) and a dtype."""
     idx = index_dtype(problem.numel)
     shift = None
-    x = te.placeholder(dims(problem.shape, idx), problem.dtype, name="x")
     channels = dims([problem.channels], idx)
     count = float(problem.count)
 
@@ -103,4 +109,4 @@ def bn_stats_te(problem: BNStatsProblem, algorithm: str = "shifted") -> list[te.
 
     mean = te.compute(channels, mean_body, name="mean")
     var = te.compute(channels, var_body, name="var")
-    return [x, mean, var]
+    return mean, var

@@ -1,0 +1,89 @@
+"""Algorithm level of BatchNorm's forward: statistics -> finalize -> normalize (a map).
+
+``shifted`` / ``shifted_sampled`` (training): bn_stats's decomposition of the same
+name gives ``mean`` and ``var`` per channel, then
+
+1. finalize, per channel: ``save_mean``, ``save_invstd = 1 / sqrt(var + eps)``, the
+   running statistics' update (``running_mean_out``, ``running_var_out``, with the
+   device scalar ``momentum`` and the unbiased variance), and the map's
+   coefficients ``bn_scale = invstd * weight``, ``bn_shift = bias - mean * bn_scale``;
+2. ``y = x * bn_scale + bn_shift``, in x's dtype.
+
+``running`` (eval): the same map, ``mean`` and ``var`` read from the running
+statistics (no reduction).
+
+Block names are what schedules refer to.
+"""
+
+from __future__ import annotations
+
+from tvm import te, tirx
+
+from ..contracts.bn_forward import BNForwardProblem
+from .bn_stats import statistics
+from .primitives import dims, index_dtype, widen
+
+ALGORITHMS = ("shifted", "shifted_sampled", "running")
+F32 = "float32"
+
+
+def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> list[te.Tensor]:
+    """TE tensors, parameters then outputs, for ``problem`` under ``algorithm``
+    (training: "shifted" by default; eval: "running")."""
+    algorithm = algorithm or default_algorithm(problem)
+    if algorithm not in ALGORITHMS or (algorithm == "running") == problem.training:
+        wanted = "shifted or shifted_sampled" if problem.training else "running"
+        raise ValueError(f"bn_forward: {'training' if problem.training else 'eval'} takes algorithm {wanted}, "
+                         f"got {algorithm!r}")
+    idx = index_dtype(problem.numel)
+    shape = dims(problem.shape, idx)
+    channels = dims([problem.channels], idx)
+    x = te.placeholder(shape, problem.dtype, name="x")
+    params = [x]
+    weight = bias = running_mean = running_var = momentum = None
+    if problem.affine:
+        weight, bias = te.placeholder(channels, F32, name="weight"), te.placeholder(channels, F32, name="bias")
+        params += [weight, bias]
+    if problem.track_running:
+        running_mean = te.placeholder(channels, F32, name="running_mean")
+        running_var = te.placeholder(channels, F32, name="running_var")
+        params += [running_mean, running_var]
+    if problem.updates_running:
+        momentum = te.placeholder([], F32, name="momentum")
+        params.append(momentum)
+
+    if problem.training:
+        mean, var = statistics(problem, x, algorithm)
+    else:
+        mean, var = running_mean, running_var
+    eps = tirx.const(problem.eps, F32)
+    save_mean = te.compute(channels, lambda c: mean[c], name="save_mean")
+    save_invstd = te.compute(channels, lambda c: tirx.rsqrt(var[c] + eps), name="save_invstd")
+
+    def scale_value(c):
+        invstd = tirx.rsqrt(var[c] + eps)
+        return invstd * weight[c] if weight is not None else invstd
+
+    scale = te.compute(channels, scale_value, name="bn_scale")
+    shift = te.compute(channels, lambda c: (bias[c] if bias is not None else tirx.const(0.0, F32))
+                       - mean[c] * scale[c], name="bn_shift")
+
+    def y_body(*index):
+        c = index[-1] if problem.channels_last else index[1]
+        value = widen(x[index], problem.dtype) * scale[c] + shift[c]
+        return value if problem.dtype == F32 else value.astype(problem.dtype)
+
+    y = te.compute(shape, y_body, name="y")
+    outputs = [y, save_mean, save_invstd]
+    if problem.updates_running:
+        m = momentum[()]
+        unbiased = float(problem.count) / float(problem.count - 1)
+        outputs.append(te.compute(channels, lambda c: (1.0 - m) * running_mean[c] + m * mean[c],
+                                  name="running_mean_out"))
+        outputs.append(te.compute(channels, lambda c: (1.0 - m) * running_var[c] + m * (var[c] * unbiased),
+                                  name="running_var_out"))
+    return params + outputs
+
+
+def default_algorithm(problem: BNForwardProblem) -> str:
+    return "shifted" if problem.training else "running"
