@@ -15,6 +15,7 @@ from .cpu import (  # noqa: F401
 )
 from .cuda import (  # noqa: F401
     bn_backward_block_per_channel,
+    bn_forward_block_per_channel,
     bn_stats_block_per_channel,
     bn_stats_channels_last,
     bn_stats_split_plane,
@@ -65,6 +66,10 @@ DISPATCH_ORDER = {
     ],
     ("bn_backward", "cuda"): [
         "bn_backward_block_per_channel",
+    ],
+    ("bn_forward", "cuda"): [
+        "bn_forward_block_per_channel",
+        "bn_forward_eval_block_per_channel",
     ],
     ("cross_entropy", "llvm"): [
         "cross_entropy_parallel",

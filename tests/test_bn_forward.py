@@ -138,3 +138,59 @@ def test_problem_round_trips_and_eval_takes_no_momentum():
         outputs = ["y", "save_mean", "save_invstd"] + (["running_mean_out", "running_var_out"] if training else [])
         assert ("momentum" in names) == training and names[-len(outputs):] == outputs
         assert algorithms_for(problem) == (("shifted", "shifted_sampled") if training else ("running",))
+
+
+# -- CUDA: the generated code here, the kernels on a GPU -----------------------------------
+CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
+CUDA_CASES = [((64, 256, 56, 56), "float16", (True, True, True)), ((32, 64, 112, 112), "bfloat16", (True, False, False)),
+              ((256, 2048, 7, 7), "float16", (False, True, True)), ((5, 3, 7), "float32", (True, True, False)),
+              ((2, 7, 13, 11), "bfloat16", (False, True, False))]
+
+
+def cuda_problems():
+    return [bn_forward_problem(shape, dtype, "NCHW", affine, training, track)
+            for shape, dtype, (training, track, affine) in CUDA_CASES]
+
+
+@pytest.mark.parametrize("problem, candidate, configs", list(candidate_params(cuda_problems(), CUDA, 3)))
+def test_cuda_source_has_vector_loads_and_no_guarded_barrier(problem, candidate, configs):
+    from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
+
+    from tvm_fusion.contracts.common import DTYPE_BYTES
+    from tvm_fusion.kernel import build_kernel
+
+    for knobs in configs:
+        kernel = build_kernel(problem, CUDA, candidate, knobs)
+        source = kernel.device_source()
+        assert ("__shfl_down_sync" in source) == problem.training and "atomic" not in source.lower()
+        assert kernel_params(source) <= {name for name, _, _ in kernel.params}
+        assert not barriers_under_a_guard(source) and not shared_stores_by_every_thread(source)
+        if knobs.vector * DTYPE_BYTES[problem.dtype] == 16:
+            assert "*(uint4*)(x_ptr" in source and "*(uint4*)(y_ptr" in source, knobs
+
+
+@pytest.mark.skipif(__import__("tvm_fusion.codegen", fromlist=["nvcc_path"]).nvcc_path() is None,
+                    reason="nvcc not installed")
+def test_cuda_kernel_compiles_without_spills():
+    from tvm_fusion.codegen import cuda_report
+    from tvm_fusion.kernel import build_kernel
+
+    report = cuda_report(build_kernel(cuda_problems()[0], CUDA, "bn_forward_block_per_channel"))
+    assert not any(report.spill_bytes.values()) and report.vector_loads > 0 and report.shuffles > 0, report
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not __import__("helpers").has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("problem, candidate, configs", list(candidate_params(cuda_problems(), CUDA, 3)))
+def test_cuda_candidates_on_gpu(problem, candidate, configs):
+    import tvm
+
+    from tvm_fusion.kernel import build_kernel
+
+    gen = rng()
+    for knobs in configs:
+        kernel = build_kernel(problem, targets.resolve("cuda"), candidate, knobs)
+        for loc, scale in ((0.0, 2.0), (1000.0, 1.0)):  # |mean| >> std too
+            data = inputs(gen, problem, loc=loc, scale=scale)
+            outs = run_poisoned(kernel, kernel_args(problem, *data), tvm.cuda(0))
+            check(kernel, outs, problem, *data, what=f"{candidate} {knobs} mean {loc}")

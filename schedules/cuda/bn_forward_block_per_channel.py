@@ -1,0 +1,123 @@
+"""BatchNorm's forward, one thread block per channel, in one kernel.
+
+Pattern ``x(SRR) -> (sum, sumsq)(S) -> mean, var -> invstd, running, coef(S) ->
+y(SSS)`` on the ``(N, C, L)`` view: the ``shifted`` statistics in training
+(exact when |mean| >> std), the running ones in eval.
+
+1. The output loops (``y``'s channel loop, reordered channel first, then
+   ``save_mean``, ``save_invstd`` and the running statistics) are merged into one
+   channel loop bound to ``blockIdx.x``.
+2. Training: the shift ``K[c] = x[0, c, 0]`` goes to shared memory (thread 0);
+   ``moments`` fuses (n, l) and splits it ``[threadIdx.x, serial, vector]``, 16-byte
+   loads, float32 sums of ``d`` and ``d^2``, ``__shfl_down_sync`` plus one shared hop.
+3. Thread 0 turns the sums into ``mean`` and ``var`` in shared memory (so the
+   allreduce result's last readers are thread 0's: a block every thread ran there
+   would race StorageRewrite's reuse of it, cross_entropy_grad's ``row_order``
+   lesson); after the barrier every thread computes the map's coefficients.
+4. ``y`` over the channel's planes: the same split, 16-byte loads and stores.
+5. Thread 0 writes the per-channel outputs.
+
+Has run only through code generation so far: no GPU run, no timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from tvm_fusion.contracts import BNForwardProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, Knobs, ladder, register
+
+from ..common import lanes_split, outputs_to, single_thread, stage_in_registers, thread_reduce
+from .bn_stats_block_per_channel import THREADS_BY_COUNT
+from .common import MAX_THREADS, vector_choices, widest_vector
+
+
+@dataclass(frozen=True)
+class ForwardBlockKnobs(Knobs):
+    threads: int = 256
+    vector: int = 8
+    unroll: int = 8
+
+
+def channel_outputs(problem: BNForwardProblem) -> list[str]:
+    return ["save_mean", "save_invstd"] + (["running_mean_out", "running_var_out"] if problem.updates_running else [])
+
+
+class _ForwardBlockPerChannel(Candidate):
+    op = "bn_forward"
+    target_kind = "cuda"
+    knobs = ForwardBlockKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def choices(self, problem: BNForwardProblem, target: Target) -> dict[str, list[int]]:
+        return {
+            "threads": [64, 128, 256, 512],
+            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
+            "unroll": [1, 4, 8],
+        }
+
+    def default_for(self, problem: BNForwardProblem, target: Target) -> ForwardBlockKnobs:
+        vector = widest_vector(problem.dtype, problem.shape[2])
+        threads = min(512, ladder(problem.count // vector, THREADS_BY_COUNT, MAX_THREADS))
+        return ForwardBlockKnobs(threads=threads, vector=vector, unroll=8)
+
+    def schedule(self, sch, problem: BNForwardProblem, knobs) -> None:
+        # 1. One channel loop for the outputs, y's loops channel first.
+        y = sch.get_sblock("y")
+        n, c, plane = sch.get_loops(y)
+        sch.reorder(c, n, plane)
+        for name in ("bn_shift", "bn_scale"):
+            sch.compute_at(sch.get_sblock(name), c, preserve_unit_loops=True)
+        outputs = [sch.get_loops(sch.get_sblock(name))[0] for name in channel_outputs(problem)]
+        channel = sch.merge(c, *outputs)
+        sch.bind(channel, "blockIdx.x")
+        if problem.training:
+            # 3. mean and var by thread 0 into shared memory.
+            for name in ("var", "mean"):
+                block = sch.get_sblock(name)
+                sch.compute_at(block, channel, preserve_unit_loops=True)
+                sch.set_scope(block, 0, "shared")
+                single_thread(sch, block, knobs.threads)
+            # 2. The shifted sums across the block.
+            moments = sch.get_sblock("moments")
+            sch.compute_at(moments, channel, preserve_unit_loops=True)
+            thread_reduce(sch, moments, 1, knobs.threads, knobs.vector, knobs.unroll, "x")
+            outputs_to(sch, moments, "local")
+            shift = sch.get_sblock("shift")
+            sch.compute_at(shift, channel, preserve_unit_loops=True)
+            sch.set_scope(shift, 0, "shared")
+            single_thread(sch, shift, knobs.threads)
+        # 3. The coefficients in every thread's registers.
+        for name in ("bn_shift", "bn_scale"):
+            outputs_to(sch, sch.get_sblock(name), "local")
+        # 4. y over the channel's planes.
+        y = sch.get_sblock("y")
+        _, serial, _ = lanes_split(sch, y, 1, knobs.threads, knobs.vector, knobs.unroll)
+        stage_in_registers(sch, y, "x", serial)
+        out = sch.cache_write(y, 0, "local")
+        sch.reverse_compute_at(out, serial, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(out)[-1])
+        # 5. The per-channel outputs on thread 0.
+        for name in channel_outputs(problem):
+            single_thread(sch, sch.get_sblock(name), knobs.threads)
+
+
+@register
+class BNForwardBlockPerChannel(_ForwardBlockPerChannel):
+    name = "bn_forward_block_per_channel"
+    algorithm = "shifted"
+
+    def applies(self, problem: BNForwardProblem) -> bool:
+        return problem.op == self.op and problem.training and not problem.channels_last
+
+
+@register
+class BNForwardEvalBlockPerChannel(_ForwardBlockPerChannel):
+    name = "bn_forward_eval_block_per_channel"
+    algorithm = "running"
+
+    def applies(self, problem: BNForwardProblem) -> bool:
+        return problem.op == self.op and not problem.training and not problem.channels_last
