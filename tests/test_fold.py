@@ -179,7 +179,8 @@ def test_patch_swaps_cross_entropy_losses_and_training_matches_torch():
         torch.testing.assert_close(model.fc.weight, reference.fc.weight, rtol=1e-5, atol=1e-6)
     assert (model.fc.weight - start).abs().max() > 1e-3  # it trained
     x64 = torch.randn(3, 6, dtype=torch.float64)  # float64: torch's path, same answer
-    torch.testing.assert_close(model.double()(x64, t[:3]), reference.double()(x64, t[:3]))
+    # the weights trained in float32 agree to about 1e-6, so the float64 losses do too
+    torch.testing.assert_close(model.double()(x64, t[:3]), reference.double()(x64, t[:3]), rtol=1e-5, atol=1e-6)
     restored = unpatch(model)
     assert {r.name for r in restored} == set(originals)
     assert model.loss is originals["loss"] and model.heads["aux"] is originals["heads.aux"]
