@@ -134,3 +134,44 @@ def candidate_params(problems, target, count: int):
         for cand in registry.applicable(problem, target):
             yield pytest.param(problem, cand.name, default_and_sampled(cand, problem, target, count),
                                id=f"{cand.name}-{problem.key()}")
+
+
+def needs_nvcc(test):
+    """Skip ``test`` where nvcc is not installed."""
+    import pytest
+
+    from tvm_fusion.codegen import nvcc_path
+
+    return pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")(test)
+
+
+def on_gpu(test):
+    """Mark ``test`` gpu and skip it without a CUDA GPU."""
+    import pytest
+
+    return pytest.mark.gpu(pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")(test))
+
+
+def check_channel_block_source(kernel, problem, knobs, output: str, shuffles: bool) -> None:
+    """The CUDA code of a block-per-channel BatchNorm kernel: shuffles when it
+    reduces, no atomics, no buffer beyond its parameters, no barrier under a thread
+    guard nor a shared store by every thread, and 16-byte loads of x and stores of
+    ``output`` when the vector knob says 16 bytes."""
+    from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
+
+    from tvm_fusion.contracts.common import DTYPE_BYTES
+
+    source = kernel.device_source()
+    assert ("__shfl_down_sync" in source) == shuffles and "atomic" not in source.lower()
+    assert kernel_params(source) <= {name for name, _, _ in kernel.params}
+    assert not barriers_under_a_guard(source) and not shared_stores_by_every_thread(source)
+    if knobs.vector * DTYPE_BYTES[problem.dtype] == 16:
+        assert "*(uint4*)(x_ptr" in source and f"*(uint4*)({output}_ptr" in source, knobs
+
+
+def check_compiles_without_spills(kernel) -> None:
+    """nvcc's report of the kernel: no spills, 16-byte loads and shuffles in the PTX."""
+    from tvm_fusion.codegen import cuda_report
+
+    report = cuda_report(kernel)
+    assert not any(report.spill_bytes.values()) and report.vector_loads > 0 and report.shuffles > 0, report

@@ -11,7 +11,10 @@ import re
 import numpy as np
 import pytest
 
-from helpers import candidate_params, random_floats, rng, run_poisoned, torch_or_none
+from helpers import (
+    candidate_params, check_channel_block_source, check_compiles_without_spills, needs_nvcc, on_gpu, random_floats,
+    rng, run_poisoned, torch_or_none,
+)
 from tvm_fusion import targets
 from tvm_fusion.contracts.bn_forward import bn_forward_problem, reference
 
@@ -154,33 +157,21 @@ def cuda_problems():
 
 @pytest.mark.parametrize("problem, candidate, configs", list(candidate_params(cuda_problems(), CUDA, 3)))
 def test_cuda_source_has_vector_loads_and_no_guarded_barrier(problem, candidate, configs):
-    from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
-
-    from tvm_fusion.contracts.common import DTYPE_BYTES
     from tvm_fusion.kernel import build_kernel
 
-    for knobs in configs:
+    for knobs in configs:  # eval reduces nothing: no shuffles
         kernel = build_kernel(problem, CUDA, candidate, knobs)
-        source = kernel.device_source()
-        assert ("__shfl_down_sync" in source) == problem.training and "atomic" not in source.lower()
-        assert kernel_params(source) <= {name for name, _, _ in kernel.params}
-        assert not barriers_under_a_guard(source) and not shared_stores_by_every_thread(source)
-        if knobs.vector * DTYPE_BYTES[problem.dtype] == 16:
-            assert "*(uint4*)(x_ptr" in source and "*(uint4*)(y_ptr" in source, knobs
+        check_channel_block_source(kernel, problem, knobs, "y", problem.training)
 
 
-@pytest.mark.skipif(__import__("tvm_fusion.codegen", fromlist=["nvcc_path"]).nvcc_path() is None,
-                    reason="nvcc not installed")
+@needs_nvcc
 def test_cuda_kernel_compiles_without_spills():
-    from tvm_fusion.codegen import cuda_report
     from tvm_fusion.kernel import build_kernel
 
-    report = cuda_report(build_kernel(cuda_problems()[0], CUDA, "bn_forward_block_per_channel"))
-    assert not any(report.spill_bytes.values()) and report.vector_loads > 0 and report.shuffles > 0, report
+    check_compiles_without_spills(build_kernel(cuda_problems()[0], CUDA, "bn_forward_block_per_channel"))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not __import__("helpers").has_gpu(), reason="needs a CUDA GPU")
+@on_gpu
 @pytest.mark.parametrize("problem, candidate, configs", list(candidate_params(cuda_problems(), CUDA, 3)))
 def test_cuda_candidates_on_gpu(problem, candidate, configs):
     import tvm

@@ -21,72 +21,29 @@ signs and do not drift the way bn_stats's same-sign sums do).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from tvm.target import Target
-
+from tvm_fusion.compute.bn_backward import dx_coefficients
 from tvm_fusion.contracts import BNBackwardProblem
-from tvm_fusion.registry import Candidate, Knobs, register
+from tvm_fusion.registry import register
 
 from ..common import knob_value
-from .common import lane_choices, parallel_choices
-
-
-@dataclass(frozen=True)
-class BackwardParallelKnobs(Knobs):
-    lanes: int = 16  # the vector of the contiguous axis (L, or C channels-last)
-    parallel: int = 1  # 0: one core (small inputs)
-
-
-def dx_coefficients(problem: BNBackwardProblem) -> list[str]:
-    """The per-channel blocks dx reads."""
-    return ["bn_dx_scale"] + (["bn_dx_mean", "bn_dx_xhat"] if problem.training else [])
+from .common import ChannelMapCandidate, channel_first_map, rows_outside_a_channel_vector, rows_parallel_map
 
 
 @register
-class BNBackwardParallel(Candidate):
+class BNBackwardParallel(ChannelMapCandidate):
     name = "bn_backward_parallel"
     op = "bn_backward"
-    target_kind = "llvm"
     algorithm = "dual_reduce"
-    knobs = BackwardParallelKnobs
-
-    def _contiguous(self, problem: BNBackwardProblem) -> int:
-        return problem.channels if problem.channels_last else problem.shape[2]
-
-    def choices(self, problem: BNBackwardProblem, target: Target) -> dict[str, list[int]]:
-        return {"lanes": lane_choices(self._contiguous(problem)), "parallel": parallel_choices(problem.numel)}
-
-    def default_for(self, problem: BNBackwardProblem, target: Target) -> BackwardParallelKnobs:
-        lanes = lane_choices(self._contiguous(problem))
-        return BackwardParallelKnobs(lanes=16 if 16 in lanes else max(lanes),
-                                     parallel=parallel_choices(problem.numel)[0])
 
     def schedule(self, sch, problem: BNBackwardProblem, knobs) -> None:
         parallel = knob_value(sch, knobs.parallel)  # one choice per shape: safe to branch on
         sums, dx = sch.get_sblock("grad_sums"), sch.get_sblock("dx")
         if problem.channels_last:
-            # The dual reduction: channel groups in parallel, rows outside a channel vector.
-            channel, row = sch.get_loops(sums)
-            group, lane = sch.split(channel, [None, knobs.lanes])
-            sch.reorder(group, row, lane)
-            if parallel:
-                sch.parallel(group)
-            sch.vectorize(lane)
-            # dx: rows in parallel, the channel loop vectorized.
-            rows, channels = sch.get_loops(dx)
-            if parallel:
-                sch.parallel(rows)
-            _, dx_lane = sch.split(channels, [None, knobs.lanes])
-            sch.vectorize(dx_lane)
+            rows_outside_a_channel_vector(sch, sums, knobs.lanes, parallel)
+            rows_parallel_map(sch, dx, knobs.lanes, parallel)
             return
         # (N, C, L): dx's loops channel first, its coefficients at the channel.
-        n, c, plane = sch.get_loops(dx)
-        sch.reorder(c, n, plane)
-        _, dx_lane = sch.split(plane, [None, knobs.lanes])
-        sch.vectorize(dx_lane)
-        for name in dx_coefficients(problem):
-            sch.compute_at(sch.get_sblock(name), c, preserve_unit_loops=True)
+        c = channel_first_map(sch, dx, knobs.lanes, dx_coefficients(problem))
         outputs = [sch.get_loops(sch.get_sblock(name))[0] for name in ("dbias", "dweight")]
         if problem.training:  # one channel loop: the sums, the plane's dx, dbias, dweight
             channel = sch.merge(c, *outputs)

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from tvm import s_tir
+from tvm.target import Target
 
-from ..common import SBlockRV
+from tvm_fusion.registry import Candidate, Knobs
+
+from ..common import LoopRV, SBlockRV
 
 
 # Work (elements read) under which a kernel runs on one core: TVM's thread pool costs
@@ -52,3 +56,62 @@ def vectorize_partials(sch: s_tir.Schedule, partial: SBlockRV, depth: int) -> No
     lane, rest = loops[depth], loops[depth + 1 :]
     sch.reorder(*rest, lane)
     sch.vectorize(lane)
+
+
+@dataclass(frozen=True)
+class ChannelMapKnobs(Knobs):
+    lanes: int = 16  # the vector of the contiguous axis (L, or C channels-last)
+    parallel: int = 1  # 0: one core (small inputs)
+
+
+class ChannelMapCandidate(Candidate):
+    """The space and steps of a CPU BatchNorm candidate (forward, backward): per
+    channel reductions, then a map over x's shape. ``lanes`` vectorizes the contiguous
+    axis; ``parallel`` is fixed by the work."""
+
+    target_kind = "llvm"
+    knobs = ChannelMapKnobs
+
+    @staticmethod
+    def contiguous(problem: Any) -> int:
+        return problem.channels if problem.channels_last else problem.shape[2]
+
+    def choices(self, problem: Any, target: Target) -> dict[str, list[int]]:
+        return {"lanes": lane_choices(self.contiguous(problem)), "parallel": parallel_choices(problem.numel)}
+
+    def default_for(self, problem: Any, target: Target) -> ChannelMapKnobs:
+        lanes = lane_choices(self.contiguous(problem))
+        return ChannelMapKnobs(lanes=16 if 16 in lanes else max(lanes), parallel=parallel_choices(problem.numel)[0])
+
+
+def rows_outside_a_channel_vector(sch: s_tir.Schedule, block: SBlockRV, lanes: Any, parallel: int) -> None:
+    """A per-channel reduction over the (M, C) view's rows: channel groups in
+    parallel, the rows walked outside a vector of channels (x read row by row)."""
+    channel, row = sch.get_loops(block)
+    group, lane = sch.split(channel, [None, lanes])
+    sch.reorder(group, row, lane)
+    if parallel:
+        sch.parallel(group)
+    sch.vectorize(lane)
+
+
+def rows_parallel_map(sch: s_tir.Schedule, block: SBlockRV, lanes: Any, parallel: int) -> None:
+    """A map over the (M, C) view: rows in parallel, the channel loop vectorized."""
+    rows, channels = sch.get_loops(block)
+    if parallel:
+        sch.parallel(rows)
+    _, lane = sch.split(channels, [None, lanes])
+    sch.vectorize(lane)
+
+
+def channel_first_map(sch: s_tir.Schedule, block: SBlockRV, lanes: Any, coefficients: list[str]) -> LoopRV:
+    """A map over the (N, C, L) view with its loops channel first, the plane's inner
+    loop vectorized, the named per-channel blocks it reads at the channel. Returns
+    the channel loop."""
+    n, c, plane = sch.get_loops(block)
+    sch.reorder(c, n, plane)
+    _, lane = sch.split(plane, [None, lanes])
+    sch.vectorize(lane)
+    for name in coefficients:
+        sch.compute_at(sch.get_sblock(name), c, preserve_unit_loops=True)
+    return c

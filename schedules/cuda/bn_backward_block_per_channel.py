@@ -24,54 +24,22 @@ nothing that prefers it (it is the only CUDA candidate of its op).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from tvm.target import Target
-
+from tvm_fusion.compute.bn_backward import dx_coefficients
 from tvm_fusion.contracts import BNBackwardProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
-from tvm_fusion.registry import Candidate, Knobs, ladder, register
+from tvm_fusion.registry import register
 
 from ..common import lanes_split, outputs_to, single_thread, stage_in_registers
-from .bn_stats_block_per_channel import THREADS_BY_COUNT
-from .common import MAX_THREADS, vector_choices, widest_vector
-
-
-@dataclass(frozen=True)
-class BackwardBlockKnobs(Knobs):
-    threads: int = 256
-    vector: int = 8
-    unroll: int = 8
-
-
-def dx_coefficients(problem: BNBackwardProblem) -> list[str]:
-    """The per-channel blocks dx reads."""
-    return ["bn_dx_scale"] + (["bn_dx_mean", "bn_dx_xhat"] if problem.training else [])
+from .common import ChannelBlockCandidate, plane_map
 
 
 @register
-class BNBackwardBlockPerChannel(Candidate):
+class BNBackwardBlockPerChannel(ChannelBlockCandidate):
     name = "bn_backward_block_per_channel"
     op = "bn_backward"
-    target_kind = "cuda"
     algorithm = "dual_reduce"
-    knobs = BackwardBlockKnobs
-    claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: BNBackwardProblem) -> bool:
         return problem.op == self.op and not problem.channels_last
-
-    def choices(self, problem: BNBackwardProblem, target: Target) -> dict[str, list[int]]:
-        return {
-            "threads": [64, 128, 256, 512],
-            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
-            "unroll": [1, 4, 8],
-        }
-
-    def default_for(self, problem: BNBackwardProblem, target: Target) -> BackwardBlockKnobs:
-        vector = widest_vector(problem.dtype, problem.shape[2])
-        threads = min(512, ladder(problem.count // vector, THREADS_BY_COUNT, MAX_THREADS))
-        return BackwardBlockKnobs(threads=threads, vector=vector, unroll=8)
 
     def schedule(self, sch, problem: BNBackwardProblem, knobs) -> None:
         # 1. One channel loop for the outputs, dx's loops channel first.
@@ -97,11 +65,5 @@ class BNBackwardBlockPerChannel(Candidate):
             outputs_to(sch, sch.get_sblock(name), "local")
         for name in ("dbias", "dweight"):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
-        # 4. dx over the channel's planes.
-        dx = sch.get_sblock("dx")
-        _, dx_serial, _ = lanes_split(sch, dx, 1, knobs.threads, knobs.vector, knobs.unroll)
-        for name in ("x", "dy") if problem.training else ("dy",):  # eval's dx reads no x
-            stage_in_registers(sch, dx, name, dx_serial)
-        out = sch.cache_write(dx, 0, "local")
-        sch.reverse_compute_at(out, dx_serial, preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(out)[-1])
+        # 4. dx over the channel's planes (eval's dx reads no x).
+        plane_map(sch, sch.get_sblock("dx"), knobs, ("x", "dy") if problem.training else ("dy",))

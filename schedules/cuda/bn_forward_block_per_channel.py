@@ -22,47 +22,16 @@ Has run only through code generation so far: no GPU run, no timing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from tvm.target import Target
-
+from tvm_fusion.compute.bn_forward import channel_outputs
 from tvm_fusion.contracts import BNForwardProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
-from tvm_fusion.registry import Candidate, Knobs, ladder, register
+from tvm_fusion.registry import register
 
-from ..common import lanes_split, outputs_to, single_thread, stage_in_registers, thread_reduce
-from .bn_stats_block_per_channel import THREADS_BY_COUNT
-from .common import MAX_THREADS, vector_choices, widest_vector
+from ..common import outputs_to, single_thread
+from .common import ChannelBlockCandidate, plane_map, shifted_sums
 
 
-@dataclass(frozen=True)
-class ForwardBlockKnobs(Knobs):
-    threads: int = 256
-    vector: int = 8
-    unroll: int = 8
-
-
-def channel_outputs(problem: BNForwardProblem) -> list[str]:
-    return ["save_mean", "save_invstd"] + (["running_mean_out", "running_var_out"] if problem.updates_running else [])
-
-
-class _ForwardBlockPerChannel(Candidate):
+class _ForwardBlockPerChannel(ChannelBlockCandidate):
     op = "bn_forward"
-    target_kind = "cuda"
-    knobs = ForwardBlockKnobs
-    claims = {"shuffles": True, "vector_loads": True}
-
-    def choices(self, problem: BNForwardProblem, target: Target) -> dict[str, list[int]]:
-        return {
-            "threads": [64, 128, 256, 512],
-            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
-            "unroll": [1, 4, 8],
-        }
-
-    def default_for(self, problem: BNForwardProblem, target: Target) -> ForwardBlockKnobs:
-        vector = widest_vector(problem.dtype, problem.shape[2])
-        threads = min(512, ladder(problem.count // vector, THREADS_BY_COUNT, MAX_THREADS))
-        return ForwardBlockKnobs(threads=threads, vector=vector, unroll=8)
 
     def schedule(self, sch, problem: BNForwardProblem, knobs) -> None:
         # 1. One channel loop for the outputs, y's loops channel first.
@@ -82,24 +51,12 @@ class _ForwardBlockPerChannel(Candidate):
                 sch.set_scope(block, 0, "shared")
                 single_thread(sch, block, knobs.threads)
             # 2. The shifted sums across the block.
-            moments = sch.get_sblock("moments")
-            sch.compute_at(moments, channel, preserve_unit_loops=True)
-            thread_reduce(sch, moments, 1, knobs.threads, knobs.vector, knobs.unroll, "x")
-            outputs_to(sch, moments, "local")
-            shift = sch.get_sblock("shift")
-            sch.compute_at(shift, channel, preserve_unit_loops=True)
-            sch.set_scope(shift, 0, "shared")
-            single_thread(sch, shift, knobs.threads)
+            shifted_sums(sch, channel, knobs.threads, knobs.vector, knobs.unroll)
         # 3. The coefficients in every thread's registers.
         for name in ("bn_shift", "bn_scale"):
             outputs_to(sch, sch.get_sblock(name), "local")
         # 4. y over the channel's planes.
-        y = sch.get_sblock("y")
-        _, serial, _ = lanes_split(sch, y, 1, knobs.threads, knobs.vector, knobs.unroll)
-        stage_in_registers(sch, y, "x", serial)
-        out = sch.cache_write(y, 0, "local")
-        sch.reverse_compute_at(out, serial, preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(out)[-1])
+        plane_map(sch, sch.get_sblock("y"), knobs, ("x",))
         # 5. The per-channel outputs on thread 0.
         for name in channel_outputs(problem):
             single_thread(sch, sch.get_sblock(name), knobs.threads)

@@ -29,13 +29,8 @@ from tvm_fusion.contracts import BNStatsProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
-from ..common import outputs_to, single_thread, thread_reduce
-from .common import MAX_THREADS, vector_choices, widest_vector
-
-# Threads per block by values per channel, from first principles (a few vectors per
-# lane per step). H200, 2026-11-29 (results/benchmarks.csv): 64x256x56x56 fp16 with
-# 256 threads 0.0350 ms (2.94 TB/s); 256x2048x7x7 with 256 threads 0.0236 ms.
-THREADS_BY_COUNT = [(4096, 128), (32768, 256), (262144, 512)]
+from ..common import single_thread
+from .common import MAX_THREADS, THREADS_BY_COUNT, shifted_sums, vector_choices, widest_vector
 
 
 @dataclass(frozen=True)
@@ -74,15 +69,8 @@ class BNStatsBlockPerChannel(Candidate):
         mean, var = sch.get_sblock("mean"), sch.get_sblock("var")
         channel = sch.merge(sch.get_loops(mean)[0], sch.get_loops(var)[0])
         sch.bind(channel, "blockIdx.x")
-        # 2. The dual reduction across the block.
-        moments = sch.get_sblock("moments")
-        sch.compute_at(moments, channel, preserve_unit_loops=True)
-        thread_reduce(sch, moments, 1, knobs.threads, knobs.vector, knobs.unroll, "x")
-        outputs_to(sch, moments, "local")
-        shift = sch.get_sblock("shift")
-        sch.compute_at(shift, channel, preserve_unit_loops=True)
-        sch.set_scope(shift, 0, "shared")
-        single_thread(sch, shift, knobs.threads)
+        # 2. The dual reduction across the block, the shift in shared memory.
+        shifted_sums(sch, channel, knobs.threads, knobs.vector, knobs.unroll)
         # 3. The epilogue on one thread.
         single_thread(sch, mean, knobs.threads)
         single_thread(sch, var, knobs.threads)

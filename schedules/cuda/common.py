@@ -6,11 +6,18 @@ a threshold only one candidate uses stays in that candidate's module.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from tvm import s_tir
+from tvm.target import Target
 
 from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, Knobs, ladder
 
-from ..common import lanes_split, merge_rows, outputs_to, read_index, single_thread, stage_in_registers, unroll
+from ..common import (
+    lanes_split, merge_rows, outputs_to, read_index, single_thread, stage_in_registers, thread_reduce, unroll,
+)
 
 MAX_THREADS = 1024
 WARP = 32
@@ -180,3 +187,66 @@ def row_order(loss: str, statistics: tuple[str, ...] = ("row_max", "row_sumexp")
     there (a race seen in the generated code: ``grad_a`` written over the row's sum
     of exponentials)."""
     return list(statistics) + ["dlogits", "lse", loss]
+
+
+# -- one block per channel of the (N, C, L) view (BatchNorm's forward and backward) ---------
+# Threads per block by vectors per channel, from first principles (a few vectors per
+# lane per step). H200, 2026-11-29 (results/benchmarks.csv): bn_stats 64x256x56x56 fp16
+# with 256 threads 0.0350 ms (2.94 TB/s); 256x2048x7x7 with 256 threads 0.0236 ms.
+THREADS_BY_COUNT = [(4096, 128), (32768, 256), (262144, 512)]
+
+
+@dataclass(frozen=True)
+class ChannelBlockKnobs(Knobs):
+    threads: int = 256
+    vector: int = 8
+    unroll: int = 8
+
+
+class ChannelBlockCandidate(Candidate):
+    """The space of a CUDA candidate that gives each channel of the (N, C, L) view a
+    thread block: lanes over the channel's planes, ``vector`` values a load (dividing
+    L, so no vector crosses a plane)."""
+
+    target_kind = "cuda"
+    knobs = ChannelBlockKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def choices(self, problem: Any, target: Target) -> dict[str, list[int]]:
+        return {
+            "threads": [64, 128, 256, 512],
+            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
+            "unroll": [1, 4, 8],
+        }
+
+    def default_for(self, problem: Any, target: Target) -> ChannelBlockKnobs:
+        vector = widest_vector(problem.dtype, problem.shape[2])
+        threads = min(512, ladder(problem.count // vector, THREADS_BY_COUNT, MAX_THREADS))
+        return ChannelBlockKnobs(threads=threads, vector=vector, unroll=8)
+
+
+def shifted_sums(sch: s_tir.Schedule, channel, threads, vector, unroll_step) -> None:
+    """bn_stats's ``shifted`` sums of the channel the block is bound to: ``moments``
+    across the block (16-byte loads through registers, shuffles plus one shared hop),
+    its result in registers; the shift ``K[c]`` loaded once into shared memory by
+    thread 0."""
+    moments = sch.get_sblock("moments")
+    sch.compute_at(moments, channel, preserve_unit_loops=True)
+    thread_reduce(sch, moments, 1, threads, vector, unroll_step, "x")
+    outputs_to(sch, moments, "local")
+    shift = sch.get_sblock("shift")
+    sch.compute_at(shift, channel, preserve_unit_loops=True)
+    sch.set_scope(shift, 0, "shared")
+    single_thread(sch, shift, threads)
+
+
+def plane_map(sch: s_tir.Schedule, block, knobs, staged: tuple[str, ...]) -> None:
+    """A map over the channel's planes (the block's loops after the channel): lanes
+    over consecutive vectors, the ``staged`` inputs loaded 16 bytes at a time into
+    registers, the result stored 16 bytes at a time."""
+    _, serial, _ = lanes_split(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll)
+    for name in staged:
+        stage_in_registers(sch, block, name, serial)
+    out = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(out, serial, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(out)[-1])

@@ -27,6 +27,11 @@ ALGORITHMS = ("dual_reduce",)
 F32 = "float32"
 
 
+def dx_coefficients(problem: BNBackwardProblem) -> list[str]:
+    """The per-channel blocks ``dx`` reads (a schedule puts them at its channel)."""
+    return ["bn_dx_scale"] + (["bn_dx_mean", "bn_dx_xhat"] if problem.training else [])
+
+
 def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -> list[te.Tensor]:
     """TE tensors ``[x, dy, mean, invstd, (weight,) dx, dweight, dbias]``."""
     if algorithm not in ALGORITHMS:

@@ -27,6 +27,11 @@ ALGORITHMS = ("shifted", "shifted_sampled", "running")
 F32 = "float32"
 
 
+def channel_outputs(problem: BNForwardProblem) -> list[str]:
+    """The per-channel outputs, in the PrimFunc's order after ``y``."""
+    return ["save_mean", "save_invstd"] + (["running_mean_out", "running_var_out"] if problem.updates_running else [])
+
+
 def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> list[te.Tensor]:
     """TE tensors, parameters then outputs, for ``problem`` under ``algorithm``
     (training: "shifted" by default; eval: "running")."""

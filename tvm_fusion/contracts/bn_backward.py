@@ -27,7 +27,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .bn_stats import ChannelView, bn_stats_problem
+from .bn_stats import ChannelView, bn_stats_problem, check_flags
 from .common import DTYPE_BYTES
 
 OP = "bn_backward"
@@ -38,11 +38,6 @@ class BNBackwardProblem(ChannelView):
     """One BatchNorm backward in bn_stats's canonical view, plus ``affine`` and
     ``training``."""
 
-    shape: tuple[int, ...]
-    dtype: str
-    channels_last: bool
-    input_shape: tuple[int, ...]
-    layout: str = "NCHW"
     affine: bool = True
     training: bool = True
     op: ClassVar[str] = OP
@@ -76,12 +71,9 @@ class BNBackwardProblem(ChannelView):
 def bn_backward_problem(shape: object, dtype: str, layout: str = "NCHW", affine: bool = True,
                         training: bool = True) -> BNBackwardProblem:
     """Check the arguments of the backward and return the canonical problem."""
-    stats = bn_stats_problem(shape, dtype, layout).__dict__  # shape, dtype and layout checks
-    for name, flag in (("affine", affine), ("training", training)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{OP}: {name} must be a bool, got {flag!r}")
-    problem = BNBackwardProblem(stats["shape"], stats["dtype"], stats["channels_last"], stats["input_shape"],
-                                stats["layout"], affine, training)
+    view = bn_stats_problem(shape, dtype, layout).__dict__  # shape, dtype and layout checks
+    check_flags(OP, affine=affine, training=training)
+    problem = BNBackwardProblem(**view, affine=affine, training=training)
     if training and problem.count < 2:
         raise ValueError(f"{OP}: expected more than 1 value per channel when training, got input size "
                          f"{tuple(problem.input_shape)}")

@@ -33,7 +33,7 @@ from typing import ClassVar
 
 import numpy as np
 
-from .bn_stats import ChannelView, bn_stats_problem
+from .bn_stats import ChannelView, bn_stats_problem, check_flags
 from .common import DTYPE_BYTES
 
 OP = "bn_forward"
@@ -43,11 +43,6 @@ OP = "bn_forward"
 class BNForwardProblem(ChannelView):
     """One BatchNorm forward in bn_stats's canonical view."""
 
-    shape: tuple[int, ...]
-    dtype: str
-    channels_last: bool
-    input_shape: tuple[int, ...]
-    layout: str = "NCHW"
     affine: bool = True
     training: bool = True
     track_running: bool = True
@@ -88,17 +83,15 @@ class BNForwardProblem(ChannelView):
 def bn_forward_problem(shape: object, dtype: str, layout: str = "NCHW", affine: bool = True, training: bool = True,
                        track_running: bool = True, eps: float = 1e-5) -> BNForwardProblem:
     """Check the arguments of the forward and return the canonical problem."""
-    stats = bn_stats_problem(shape, dtype, layout).__dict__  # shape, dtype and layout checks
-    for name, flag in (("affine", affine), ("training", training), ("track_running", track_running)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{OP}: {name} must be a bool, got {flag!r}")
+    view = bn_stats_problem(shape, dtype, layout).__dict__  # shape, dtype and layout checks
+    check_flags(OP, affine=affine, training=training, track_running=track_running)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{OP}: eps must be a finite number >= 0, got {eps!r}")
     if not training and not track_running:
         raise ValueError(f"{OP}: eval mode normalizes with the running statistics: track_running must be True "
                          "(torch's eval without running statistics uses the batch's: pass training=True)")
-    problem = BNForwardProblem(stats["shape"], stats["dtype"], stats["channels_last"], stats["input_shape"],
-                               stats["layout"], affine, training, track_running, float(eps))
+    problem = BNForwardProblem(**view, affine=affine, training=training, track_running=track_running,
+                               eps=float(eps))
     if training and problem.count < 2:
         raise ValueError(f"{OP}: expected more than 1 value per channel when training, got input size "
                          f"{tuple(problem.input_shape)}")

@@ -28,12 +28,18 @@ OP = "bn_stats"
 LAYOUTS = ("NCHW", "NHWC")
 
 
+@dataclass(frozen=True)
 class ChannelView:
-    """What the canonical view says, for problems with ``shape`` and ``channels_last``
-    (bn_stats's and BatchNorm's backward): (N, C, L), or (M, C) channels last."""
+    """The canonical view of a per-channel problem (bn_stats's, BatchNorm's forward
+    and backward): ``shape`` is ``(N, C, L)`` when ``channels_last`` is False and
+    ``(M, C)`` when it is True; ``input_shape`` and ``layout`` keep what the caller
+    gave."""
 
     shape: tuple[int, ...]
+    dtype: str
     channels_last: bool
+    input_shape: tuple[int, ...]
+    layout: str = "NCHW"
 
     @property
     def channels(self) -> int:
@@ -55,17 +61,8 @@ class ChannelView:
 
 @dataclass(frozen=True)
 class BNStatsProblem(ChannelView):
-    """One bn_stats problem in canonical form.
+    """One bn_stats problem in canonical form (:class:`ChannelView`)."""
 
-    ``shape`` is ``(N, C, L)`` when ``channels_last`` is False and ``(M, C)``
-    when it is True; ``input_shape`` and ``layout`` keep what the caller gave.
-    """
-
-    shape: tuple[int, ...]
-    dtype: str
-    channels_last: bool
-    input_shape: tuple[int, ...]
-    layout: str = "NCHW"
     op: ClassVar[str] = OP
 
     @property
@@ -89,6 +86,13 @@ class BNStatsProblem(ChannelView):
             f"canonical view {view} = {self.shape}, {self.channels} channels x "
             f"{self.count} values, {self.bytes_moved / 1e6:.3f} MB moved at least"
         )
+
+
+def check_flags(op: str, **flags: object) -> None:
+    """Each option a bool, or a TypeError naming it."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise TypeError(f"{op}: {name} must be a bool, got {flag!r}")
 
 
 def bn_stats_problem(shape: object, dtype: str, layout: str = "NCHW") -> BNStatsProblem:
