@@ -107,6 +107,12 @@ def single_thread(
     sch.bind(lane, thread_axis)
 
 
+def row_loss_name(problem: Any) -> str:
+    """The block of a cross entropy's per-row losses: ``loss`` itself for reduction
+    "none", else ``row_loss`` (the batch stage reduces it)."""
+    return "loss" if problem.reduction == "none" else "row_loss"
+
+
 def grad_coefficients(problem: Any) -> tuple[str, ...]:
     """The per-row coefficient blocks of a cross entropy gradient (``compute.
     cross_entropy_grad``): each one value per row, read by ``dlogits`` only."""

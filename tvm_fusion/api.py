@@ -249,30 +249,26 @@ def explain(op: str, shape: Any, dtype: str = "float32", target: Any = "cuda",
     return explain_choice(make_problem(op, shape, dtype, **options), targets.resolve(target), log_dir)
 
 
+# The per-channel ops: the contract's factory and its keyword options with their defaults.
+CHANNEL_OPS = {
+    "bn_stats": (bn_stats_problem, {"layout": "NCHW"}),
+    "bn_forward": (bn_forward_problem, {"layout": "NCHW", "affine": True, "training": True, "track_running": True,
+                                        "eps": 1e-5}),
+    "bn_backward": (bn_backward_problem, {"layout": "NCHW", "affine": True, "training": True}),
+}
+
+
 def make_problem(op: str, shape: Any, dtype: str, **options: Any):
     """The contract's problem for ``op`` from a shape, a dtype and keyword options
     (``cross_entropy_grad`` takes cross_entropy's options, ``mode``, "fused" or
     "from_lse", and ``in_place``)."""
     check_choice("build", "op", op, KERNEL_OPS)
-    if op == "bn_stats":
-        unknown = set(options) - {"layout"}
+    if op in CHANNEL_OPS:
+        factory, defaults = CHANNEL_OPS[op]
+        unknown = set(options) - set(defaults)
         if unknown:
-            raise TypeError(f"bn_stats: unknown option(s) {sorted(unknown)}; known: ['layout']")
-        return bn_stats_problem(shape, dtype, options.get("layout", "NCHW"))
-    if op == "bn_backward":
-        unknown = set(options) - {"layout", "affine", "training"}
-        if unknown:
-            raise TypeError(f"bn_backward: unknown option(s) {sorted(unknown)}; known: ['affine', 'layout', 'training']")
-        return bn_backward_problem(shape, dtype, options.get("layout", "NCHW"), options.get("affine", True),
-                                   options.get("training", True))
-    if op == "bn_forward":
-        known = {"layout", "affine", "training", "track_running", "eps"}
-        unknown = set(options) - known
-        if unknown:
-            raise TypeError(f"bn_forward: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
-        return bn_forward_problem(shape, dtype, options.get("layout", "NCHW"), options.get("affine", True),
-                                  options.get("training", True), options.get("track_running", True),
-                                  options.get("eps", 1e-5))
+            raise TypeError(f"{op}: unknown option(s) {sorted(unknown)}; known: {sorted(defaults)}")
+        return factory(shape, dtype, **{**defaults, **options})
     known = {"target_dtype", "weight", "ignore_index", "reduction", "label_smoothing"}
     if op == "cross_entropy_grad":
         known |= {"mode", "in_place"}

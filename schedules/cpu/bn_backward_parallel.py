@@ -25,7 +25,7 @@ from tvm_fusion.compute.bn_backward import dx_coefficients
 from tvm_fusion.contracts import BNBackwardProblem
 from tvm_fusion.registry import register
 
-from ..common import knob_value
+from ..common import knob_value, merge_rows
 from .common import ChannelMapCandidate, channel_first_map, rows_outside_a_channel_vector, rows_parallel_map
 
 
@@ -44,11 +44,10 @@ class BNBackwardParallel(ChannelMapCandidate):
             return
         # (N, C, L): dx's loops channel first, its coefficients at the channel.
         c = channel_first_map(sch, dx, knobs.lanes, dx_coefficients(problem))
-        outputs = [sch.get_loops(sch.get_sblock(name))[0] for name in ("dbias", "dweight")]
         if problem.training:  # one channel loop: the sums, the plane's dx, dbias, dweight
-            channel = sch.merge(c, *outputs)
+            channel = merge_rows(sch, ["dx", "dbias", "dweight"])
         else:  # eval: dx reads no sum; the sums are their own channel loop
-            channel = sch.merge(*outputs)
+            channel = merge_rows(sch, ["dbias", "dweight"])
             if parallel:
                 sch.parallel(c)
         sch.compute_at(sums, channel, preserve_unit_loops=True)

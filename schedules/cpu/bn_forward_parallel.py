@@ -22,7 +22,7 @@ from tvm_fusion.compute.bn_forward import channel_outputs
 from tvm_fusion.contracts import BNForwardProblem
 from tvm_fusion.registry import register
 
-from ..common import knob_value
+from ..common import knob_value, merge_rows
 from .common import ChannelMapCandidate, channel_first_map, rows_outside_a_channel_vector, rows_parallel_map
 
 STATISTICS = ["mean", "var", "moments", "shift", "shift_sum"]  # consumers first (compute_at order)
@@ -40,9 +40,8 @@ class _ForwardParallel(ChannelMapCandidate):
             rows_parallel_map(sch, y, knobs.lanes, parallel)
             return
         # (N, C, L): y's loops channel first, everything of a channel at that loop.
-        c = channel_first_map(sch, y, knobs.lanes, ["bn_shift", "bn_scale"])
-        outputs = [sch.get_loops(sch.get_sblock(name))[0] for name in channel_outputs(problem)]
-        channel = sch.merge(c, *outputs)
+        channel_first_map(sch, y, knobs.lanes, ["bn_shift", "bn_scale"])
+        channel = merge_rows(sch, ["y", *channel_outputs(problem)])
         if problem.training:
             for name in STATISTICS:
                 sch.compute_at(sch.get_sblock(name), channel, preserve_unit_loops=True)

@@ -37,7 +37,7 @@ from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import knob_value
 
-from .common import lane_choices, lane_partials, parallel_choices, vectorize_partials
+from .common import default_lanes, lane_choices, lane_partials, parallel_choices, vectorize_partials
 
 
 # (M, C) partial sums along M: float32 sums of same-sign d^2 drift like the rows each
@@ -88,7 +88,7 @@ class BNStatsParallel(Candidate):
         wanted = ladder(problem.shape[0], ROWS_PER_PARTIAL, PARTIALS[-1])
         fits = [p for p in partials if p <= wanted]
         return ChannelsParallelKnobs(
-            lanes=16 if 16 in lanes else max(lanes), partials=max(fits) if fits else min(partials),
+            lanes=default_lanes(lanes), partials=max(fits) if fits else min(partials),
             parallel=space["parallel"][0],
         )
 

@@ -35,6 +35,12 @@ def lane_choices(contiguous: int, widest: int = 16) -> list[int]:
     return lanes or [1]
 
 
+def default_lanes(lanes: list[int]) -> int:
+    """A candidate's default ``lanes`` from its choices: 16 where it divides, else the
+    widest that does."""
+    return 16 if 16 in lanes else max(lanes)
+
+
 def lane_partials(sch: s_tir.Schedule, block: SBlockRV, lanes: Any) -> SBlockRV:
     """Reduce the block's innermost loop into ``lanes`` independent float32 partials
     (rfactor over its inner split; ``lanes`` divides it, so no lane is predicated);
@@ -81,7 +87,7 @@ class ChannelMapCandidate(Candidate):
 
     def default_for(self, problem: Any, target: Target) -> ChannelMapKnobs:
         lanes = lane_choices(self.contiguous(problem))
-        return ChannelMapKnobs(lanes=16 if 16 in lanes else max(lanes), parallel=parallel_choices(problem.numel)[0])
+        return ChannelMapKnobs(lanes=default_lanes(lanes), parallel=parallel_choices(problem.numel)[0])
 
 
 def rows_outside_a_channel_vector(sch: s_tir.Schedule, block: SBlockRV, lanes: Any, parallel: int) -> None:

@@ -33,7 +33,7 @@ from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import coefficients_at, knob_value, merge_rows
-from .common import lane_choices, lane_partials, parallel_choices, vectorize_partials
+from .common import default_lanes, lane_choices, lane_partials, parallel_choices, vectorize_partials
 
 
 @dataclass(frozen=True)
@@ -69,7 +69,7 @@ class CrossEntropyGradParallel(Candidate):
 
     def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradRowsParallelKnobs:
         lanes = lane_choices(problem.classes)
-        return GradRowsParallelKnobs(lanes=16 if 16 in lanes else max(lanes),
+        return GradRowsParallelKnobs(lanes=default_lanes(lanes),
                                      parallel=parallel_choices(problem.numel)[0])
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:

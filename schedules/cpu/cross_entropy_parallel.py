@@ -31,7 +31,7 @@ from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import knob_value
 
-from .common import lane_choices, lane_partials, parallel_choices, vectorize_partials
+from .common import default_lanes, lane_choices, lane_partials, parallel_choices, vectorize_partials
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class CrossEntropyParallel(Candidate):
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> RowsParallelKnobs:
         lanes = lane_choices(problem.classes)
-        return RowsParallelKnobs(lanes=16 if 16 in lanes else max(lanes),
+        return RowsParallelKnobs(lanes=default_lanes(lanes),
                                  parallel=parallel_choices(problem.numel)[0])
 
     def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:

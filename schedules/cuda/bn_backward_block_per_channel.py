@@ -28,7 +28,7 @@ from tvm_fusion.compute.bn_backward import dx_coefficients
 from tvm_fusion.contracts import BNBackwardProblem
 from tvm_fusion.registry import register
 
-from ..common import lanes_split, outputs_to, single_thread, stage_in_registers
+from ..common import lanes_split, merge_rows, outputs_to, single_thread, stage_in_registers
 from .common import ChannelBlockCandidate, plane_map
 
 
@@ -48,10 +48,9 @@ class BNBackwardBlockPerChannel(ChannelBlockCandidate):
         sch.reorder(c, n, plane)
         for name in dx_coefficients(problem):
             sch.compute_at(sch.get_sblock(name), c, preserve_unit_loops=True)
-        outputs = [sch.get_loops(sch.get_sblock(name))[0] for name in ("dbias", "dweight")]
         # dx first: thread 0's outputs are the sums' last readers (the coefficients
         # would race StorageRewrite's reuse of the allreduce result: row_order's lesson)
-        channel = sch.merge(c, *outputs)
+        channel = merge_rows(sch, ["dx", "dbias", "dweight"])
         sch.bind(channel, "blockIdx.x")
         # 2. The dual reduction across the block, x and dy through registers.
         sums = sch.get_sblock("grad_sums")

@@ -26,7 +26,7 @@ from tvm_fusion.compute.bn_forward import channel_outputs
 from tvm_fusion.contracts import BNForwardProblem
 from tvm_fusion.registry import register
 
-from ..common import outputs_to, single_thread
+from ..common import merge_rows, outputs_to, single_thread
 from .common import ChannelBlockCandidate, plane_map, shifted_sums
 
 
@@ -40,8 +40,7 @@ class _ForwardBlockPerChannel(ChannelBlockCandidate):
         sch.reorder(c, n, plane)
         for name in ("bn_shift", "bn_scale"):
             sch.compute_at(sch.get_sblock(name), c, preserve_unit_loops=True)
-        outputs = [sch.get_loops(sch.get_sblock(name))[0] for name in channel_outputs(problem)]
-        channel = sch.merge(c, *outputs)
+        channel = merge_rows(sch, ["y", *channel_outputs(problem)])
         sch.bind(channel, "blockIdx.x")
         if problem.training:
             # 3. mean and var by thread 0 into shared memory.

@@ -16,7 +16,8 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder
 
 from ..common import (
-    lanes_split, merge_rows, outputs_to, read_index, single_thread, stage_in_registers, thread_reduce, unroll,
+    lanes_split, merge_rows, outputs_to, read_index, row_loss_name, single_thread, stage_in_registers, thread_reduce,
+    unroll,
 )
 
 MAX_THREADS = 1024
@@ -54,6 +55,12 @@ def vector_choices(elem_bytes: int, contiguous: int) -> list[int]:
 def widest_vector(dtype: str, contiguous: int) -> int:
     """The widest of :func:`vector_choices`: every candidate's default vector."""
     return max(vector_choices(DTYPE_BYTES[dtype], contiguous))
+
+
+def reads_16_bytes(dtype: str, contiguous: int) -> bool:
+    """The widest vector that divides the contiguous run is 16 bytes (not the scalar
+    loads of, e.g., an odd V in fp16/bf16)."""
+    return widest_vector(dtype, contiguous) * DTYPE_BYTES[dtype] == VECTOR_BYTES
 
 
 def spans_two_vectors(classes: int, dtype: str) -> bool:
@@ -166,9 +173,8 @@ def merge_grad_rows(sch: s_tir.Schedule, problem, statistics: tuple[str, ...] = 
     the row's statistics then end in a block-wide barrier (a multi-warp allreduce, or
     the copy into shared memory) before any thread stores the row's gradient over
     the logits it read."""
-    loss = "loss" if problem.reduction == "none" else "row_loss"
     first = ["target_logit"] if problem.in_place else []
-    row = merge_rows(sch, first + row_order(loss, statistics))
+    row = merge_rows(sch, first + row_order(row_loss_name(problem), statistics))
     if problem.in_place:
         outputs_to(sch, sch.get_sblock("target_logit"), "local")
     return row

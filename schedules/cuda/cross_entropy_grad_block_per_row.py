@@ -33,7 +33,7 @@ from __future__ import annotations
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import Candidate, register
 
-from ..common import coefficients_at, outputs_to, single_thread, thread_reduce
+from ..common import coefficients_at, outputs_to, row_loss_name, single_thread, thread_reduce
 from .cross_entropy_block_per_row import BlockPerRowKnobs, CrossEntropyBlockPerRow
 from .common import grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
 
@@ -60,7 +60,7 @@ class CrossEntropyGradBlockPerRow(Candidate):
         # 1. One row loop, one block per row (the coefficients at dlogits' row first).
         dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
         coefficients_at(sch, problem, dlogits_row, "local")
-        loss = "loss" if problem.reduction == "none" else "row_loss"
+        loss = row_loss_name(problem)
         row = merge_grad_rows(sch, problem)
         sch.bind(row, "blockIdx.x")
         # 2. Both statistics across the block, kept in registers.

@@ -40,10 +40,10 @@ from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
-from ..common import coefficients_at, single_thread
+from ..common import coefficients_at, row_loss_name, single_thread
 from .common import (
-    MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, grad_map, merge_grad_rows, schedule_grad_batch_stage,
-    online_chunks, schedule_grad_prologue, vector_choices, widest_vector,
+    MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, grad_map, merge_grad_rows, online_chunks, reads_16_bytes,
+    schedule_grad_batch_stage, schedule_grad_prologue, vector_choices, widest_vector,
 )
 from .cross_entropy_online import CrossEntropyOnline
 
@@ -74,8 +74,7 @@ class CrossEntropyGradOnline(Candidate):
         # scalar rows (V odd in fp16/bf16) a block per row wins: H200, 16384x50257 bf16,
         # 1.5252 ms against 1.6268 at 8d09ffa and 1.5308 against 1.6301 at 921bec8
         # (results/benchmarks.csv). 8192x128256 bf16: 1.5451 against 2.2139.
-        wide = widest_vector(problem.dtype, problem.classes) * DTYPE_BYTES[problem.dtype] == VECTOR_BYTES
-        return wide and CrossEntropyOnline.prefers(self, problem, target)
+        return reads_16_bytes(problem.dtype, problem.classes) and CrossEntropyOnline.prefers(self, problem, target)
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
         return {
@@ -95,7 +94,7 @@ class CrossEntropyGradOnline(Candidate):
         # 1. One row loop, one block per row.
         dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
         coefficients_at(sch, problem, dlogits_row, "local")
-        loss = "loss" if problem.reduction == "none" else "row_loss"
+        loss = row_loss_name(problem)
         row = merge_grad_rows(sch, problem, ("row_online",))
         sch.bind(row, "blockIdx.x")
         # 2. Chunks across the lanes; each chunk reduced in registers.

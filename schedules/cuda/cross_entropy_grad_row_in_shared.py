@@ -33,12 +33,13 @@ from __future__ import annotations
 from tvm.target import Target
 
 from tvm_fusion.contracts import CrossEntropyGradProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, register
 from tvm_fusion.targets import sm_count
 
-from ..common import coefficients_at, lanes_split, outputs_to, read_index, single_thread, thread_reduce
-from .common import VECTOR_BYTES, grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue, widest_vector
+from ..common import (
+    coefficients_at, lanes_split, outputs_to, read_index, row_loss_name, single_thread, thread_reduce,
+)
+from .common import grad_map, merge_grad_rows, reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue
 from .cross_entropy_row_in_shared import CrossEntropyRowInShared, RowInSharedKnobs
 
 
@@ -59,9 +60,8 @@ class CrossEntropyGradRowInShared(Candidate):
         # replay, against the read + write floor: 4096x32000 fp16 0.1384 ms (1.11x;
         # online 0.2044 with its default knobs, block per row 0.2574); 65536x1000 fp16
         # 0.0867 (1.39x; warp per row 0.0950). Rows read as scalars lose (docstring).
-        elem = DTYPE_BYTES[problem.dtype]
-        return (widest_vector(problem.dtype, problem.classes) * elem == VECTOR_BYTES
-                and problem.classes >= 1000 and problem.batch >= 2 * sm_count(target))
+        return (reads_16_bytes(problem.dtype, problem.classes) and problem.classes >= 1000
+                and problem.batch >= 2 * sm_count(target))
 
     # The forward's space: the same launch shape over the same row.
     choices = CrossEntropyRowInShared.choices
@@ -87,7 +87,7 @@ class CrossEntropyGradRowInShared(Candidate):
                               consumer_blocks=[row_max, row_sum, dlogits])
         shared = sch.get(copy).writes[0].source.name
         # 1. One row loop, one block per row.
-        loss = "loss" if problem.reduction == "none" else "row_loss"
+        loss = row_loss_name(problem)
         row = merge_grad_rows(sch, problem)
         sch.bind(row, "blockIdx.x")
         sch.compute_at(copy, row, preserve_unit_loops=True)

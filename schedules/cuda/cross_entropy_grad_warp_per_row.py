@@ -32,7 +32,7 @@ from __future__ import annotations
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import Candidate, register
 
-from ..common import coefficients_at, outputs_to, single_thread, thread_reduce
+from ..common import coefficients_at, outputs_to, row_loss_name, single_thread, thread_reduce
 from .cross_entropy_warp_per_row import CrossEntropyWarpPerRow, WarpPerRowKnobs
 from .common import WARP, grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
 
@@ -61,7 +61,7 @@ class CrossEntropyGradWarpPerRow(Candidate):
         # 1. One row loop over (blockIdx.x, threadIdx.y).
         dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
         coefficients_at(sch, problem, dlogits_row, "local")
-        loss = "loss" if problem.reduction == "none" else "row_loss"
+        loss = row_loss_name(problem)
         row = merge_grad_rows(sch, problem)
         block_rows, warp_row = sch.split(row, [None, knobs.rows])
         sch.bind(block_rows, "blockIdx.x")

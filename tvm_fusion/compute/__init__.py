@@ -67,15 +67,14 @@ def prim_func(problem: Problem, algorithm: str | None = None) -> tirx.PrimFunc:
     """
     algorithm = algorithm or default_algorithm(problem)
     func = te.create_prim_func(te_tensors(problem, algorithm))
-    attrs = {
-        "global_symbol": "main",
-        "tvm_fusion.op": problem.op,
-        "tvm_fusion.algorithm": algorithm,
-        "tvm_fusion.problem": problem_to_json(problem),
-    }
-    if getattr(problem, "in_place", False):  # dlogits and logits are one buffer: no __restrict__
-        attrs["tirx.noalias"] = False
-    return func.with_attrs(attrs)
+    return func.with_attrs(
+        {
+            "global_symbol": "main",
+            "tvm_fusion.op": problem.op,
+            "tvm_fusion.algorithm": algorithm,
+            "tvm_fusion.problem": problem_to_json(problem),
+        }
+    )
 
 
 def problem_to_json(problem: Problem) -> str:

@@ -75,7 +75,7 @@ def fold(model: nn.Module, *example_inputs: Any) -> tuple[nn.Module, dict[str, s
             continue
         layer = modules[node.args[0].target]
         _fold_into(layer, bn)
-        _replace(folded, node.target, nn.Identity())
+        folded.set_submodule(node.target, nn.Identity())
         del kept[node.target]
     return folded, kept
 
@@ -129,9 +129,3 @@ def _fold_into(layer: nn.Module, bn: nn.Module) -> None:
         layer.bias.copy_(new_bias.to(layer.bias.dtype))
     else:
         layer.bias = nn.Parameter(new_bias.to(weight.dtype), requires_grad=weight.requires_grad)
-
-
-def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)

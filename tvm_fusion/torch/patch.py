@@ -66,7 +66,7 @@ def patch(model: nn.Module) -> list[Replaced]:
                                                   reduction=module.reduction,
                                                   label_smoothing=module.label_smoothing)
             replacement.train(module.training)
-            _set(model, name, replacement)
+            model.set_submodule(name, replacement)
             swaps.append(Replaced(name, module, replacement))
     registry = model.__dict__.setdefault(_PATCHED, {})
     for swap in swaps:
@@ -81,11 +81,5 @@ def unpatch(model: nn.Module) -> list[Replaced]:
     restored = []
     for name, original in registry.items():
         restored.append(Replaced(name, original, model.get_submodule(name)))
-        _set(model, name, original)
+        model.set_submodule(name, original)
     return restored
-
-
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
-    parent_name, _, child = name.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, module)
