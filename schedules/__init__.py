@@ -15,7 +15,12 @@ from .cpu import (  # noqa: F401
 )
 from .cuda import (  # noqa: F401
     bn_backward_block_per_channel,
+    bn_backward_channels_last,
+    bn_backward_split_plane,
     bn_forward_block_per_channel,
+    bn_forward_channels_last,
+    bn_forward_persistent,
+    bn_forward_split_plane,
     bn_stats_block_per_channel,
     bn_stats_channels_last,
     bn_stats_split_plane,
@@ -64,10 +69,17 @@ DISPATCH_ORDER = {
         "bn_forward_parallel",
         "bn_forward_eval_parallel",
     ],
+    # The channels-last candidates take the (M, C) view, the others the (N, C, L) one.
     ("bn_backward", "cuda"): [
+        "bn_backward_channels_last",
+        "bn_backward_split_plane",
         "bn_backward_block_per_channel",
     ],
     ("bn_forward", "cuda"): [
+        "bn_forward_persistent",
+        "bn_forward_channels_last",
+        "bn_forward_eval_channels_last",
+        "bn_forward_split_plane",
         "bn_forward_block_per_channel",
         "bn_forward_eval_block_per_channel",
     ],

@@ -132,7 +132,7 @@ def coefficients_at(sch: s_tir.Schedule, problem: Any, row: LoopRV, scope: str |
 
 def merge_rows(sch: s_tir.Schedule, names: list[str]) -> LoopRV:
     """One row loop for the named blocks (each with the row as its outer loop), at the
-    first one's place, bodies in the given order.
+    last one's place, bodies in the given order (TVM's merge checks no dependence).
 
     Why not compute_at into one anchor: the fused gradient's per-row outputs (``lse``,
     the row loss) consume the row statistics and cannot move (output blocks), the

@@ -14,10 +14,11 @@ from tvm.target import Target
 
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder
+from tvm_fusion.targets import sm_count
 
 from ..common import (
-    lanes_split, merge_rows, outputs_to, read_index, row_loss_name, single_thread, stage_in_registers, thread_reduce,
-    unroll,
+    LoopRV, SBlockRV, lanes_split, merge_rows, outputs_to, read_index, row_loss_name, single_thread, stage_in_registers,
+    thread_reduce, unroll,
 )
 
 MAX_THREADS = 1024
@@ -256,3 +257,323 @@ def plane_map(sch: s_tir.Schedule, block, knobs, staged: tuple[str, ...]) -> Non
     out = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(out, serial, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(out)[-1])
+
+
+# -- each channel of the (N, C, L) view split across blocks (BatchNorm's split_plane) --------
+# Few channels for the SMs, and long planes: a block per channel leaves SMs idle or
+# lightly loaded. H200 bench of 2026-11-29 (results/benchmarks.csv), bn_stats:
+# 32x64x112x112 fp16 0.0166 ms split against 0.0317 a block per channel, 8x3x224x224
+# 0.0045 against 0.0303, but 64x256x56x56 0.0400 against 0.0350 (one pass over x).
+# The forward and backward make two passes per channel block (the sums, then the
+# map): 256 channels (1.9 blocks an SM) are taken in too, not yet measured.
+SPLIT_PLANE_CHANNELS_PER_SM = 2
+SPLIT_PLANE_MIN_COUNT = 16384
+
+
+def plane_splits(problem: Any) -> list[int]:
+    """Split counts that divide the fused (n, l / vector) run of a channel evenly, each
+    run 32 vectors at least. An uneven cut puts the run index and the reduction index
+    in one predicate, and TVM then silently skips the cross-thread lowering (lanes race
+    on the partial: seen on bn_stats 8x32x1009 on the H200, 2026-11-29)."""
+    vector = widest_vector(problem.dtype, problem.shape[2])
+    run = problem.count // vector
+    return [s for s in range(2, 257) if run % s == 0 and run // s >= 32]
+
+
+@dataclass(frozen=True)
+class SplitPlaneMapKnobs(Knobs):
+    splits: int = 8  # blocks per channel in kernel 1
+    threads: int = 256  # kernel 1's lanes
+    vector: int = 8
+    unroll: int = 8
+    map_threads: int = 256  # kernel 3's lanes
+    map_steps: int = 4  # kernel 3's vectors per lane
+
+
+class SplitPlaneMapCandidate(Candidate):
+    """The space of a CUDA candidate that splits each channel of the (N, C, L) view over
+    ``splits`` blocks for its sums (kernel 1), finalizes per channel (kernel 2) and
+    maps the whole tensor (kernel 3): bn_forward's and bn_backward's split_plane."""
+
+    target_kind = "cuda"
+    knobs = SplitPlaneMapKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def prefers(self, problem: Any, target: Target) -> bool:
+        return (problem.channels < SPLIT_PLANE_CHANNELS_PER_SM * sm_count(target)
+                and problem.count >= SPLIT_PLANE_MIN_COUNT)
+
+    def choices(self, problem: Any, target: Target) -> dict[str, list[int]]:
+        return {
+            "splits": plane_splits(problem),
+            "threads": [128, 256, 512],
+            "vector": [widest_vector(problem.dtype, problem.shape[2])],
+            "unroll": [1, 4, 8, 16],
+            "map_threads": [128, 256, 512],
+            "map_steps": [1, 2, 4, 8],
+        }
+
+    def default_for(self, problem: Any, target: Target) -> SplitPlaneMapKnobs:
+        """bn_stats_split_plane's rule for kernel 1: the fewest splits that give
+        ``BLOCKS_PER_SM`` blocks an SM, lanes by vectors per block; kernel 3 with 256
+        lanes of 4 vectors (64 bytes in flight a lane per tensor, from first
+        principles: not measured)."""
+        vector = widest_vector(problem.dtype, problem.shape[2])
+        options = plane_splits(problem)
+        wanted = -(-(BLOCKS_PER_SM * sm_count(target)) // problem.channels)
+        splits = min((s for s in options if s >= wanted), default=options[-1])
+        per_block = problem.count // (splits * vector)
+        threads = 512 if per_block >= 512 * 8 else (256 if per_block >= 256 * 2 else 128)
+        return SplitPlaneMapKnobs(splits=splits, threads=threads, vector=vector, unroll=8, map_threads=256,
+                                  map_steps=4)
+
+
+def split_plane_partials(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: Any) -> None:
+    """Kernel 1 of a split-plane candidate, grid (C, splits): the reduction ``name`` over
+    each channel's (n, l), L split by ``knobs.vector``, (n, l_outer) fused and cut into
+    ``knobs.splits`` runs, the run index rfactored out (a (splits, C) float32 workspace
+    per sum); each block reduces its run ``[threadIdx.x, serial, vector]``, the
+    ``staged`` inputs loaded 16 bytes at a time into registers, then shuffles and one
+    shared-memory hop."""
+    block = sch.get_sblock(name)
+    stages = [sch.cache_read(block, read_index(sch, block, buffer), "local", consumer_blocks=[block])
+              for buffer in staged]
+    _, n, l = sch.get_loops(block)
+    l_outer, _ = sch.split(l, [None, knobs.vector])
+    run, _ = sch.split(sch.fuse(n, l_outer), [knobs.splits, None])
+    partial = sch.rfactor(run, factor_axis=0)
+    channel, run, within, vec = sch.get_loops(partial)
+    sch.bind(channel, "blockIdx.x")
+    sch.bind(run, "blockIdx.y")
+    serial, lane = sch.split(within, [None, knobs.threads])
+    sch.reorder(lane, serial, vec)
+    sch.bind(lane, "threadIdx.x")
+    unroll(sch, serial, knobs.unroll)
+    for stage in stages:
+        sch.compute_at(stage, serial, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(stage)[-1])
+
+
+def finalize_channels(sch: s_tir.Schedule, name: str, steps: list[str]) -> None:
+    """Kernel 2 of a split-plane candidate, grid (C,): each block sums its channel's
+    partials of ``name`` across ``FINALIZE_THREADS`` lanes (shuffles), then thread 0
+    runs each per-channel block of ``steps``, in that order. TVM's merge puts the
+    merged loop at the last loop's place and checks no dependence: the last step
+    must be one that comes before the map reading the steps' results (else the
+    map's kernel runs first). Only thread 0 reads the allreduce result: no block
+    that every thread runs is there to race StorageRewrite's reuse of its buffer."""
+    final = merge_rows(sch, steps)
+    sch.bind(final, "blockIdx.x")
+    block = sch.get_sblock(name)
+    sch.compute_at(block, final)  # no unit loop left below the partials' loop
+    lanes_split(sch, block, 1, FINALIZE_THREADS, 1, 1)
+    outputs_to(sch, block, "local")  # the sums stay on chip, no (C,) buffer in global memory
+    for step in steps:
+        single_thread(sch, sch.get_sblock(step), FINALIZE_THREADS)
+
+
+def tensor_map(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: Any) -> None:
+    """Kernel 3 of a split-plane candidate: the map ``name`` over the whole (N, C, L)
+    tensor, (n, c, l / vector) fused and cut ``[blockIdx.x, serial, threadIdx.x]``
+    (``knobs.map_steps`` vectors a lane, ``knobs.map_threads`` lanes): consecutive
+    lanes take consecutive vectors, the ``staged`` inputs loaded and the result stored
+    16 bytes at a time through registers. ``vector`` divides L, so a vector lies in
+    one plane and its channel index is one per vector."""
+    block = sch.get_sblock(name)
+    n, c, l = sch.get_loops(block)
+    l_outer, vec = sch.split(l, [None, knobs.vector])
+    run, serial, lane = sch.split(sch.fuse(n, c, l_outer), [None, knobs.map_steps, knobs.map_threads])
+    sch.reorder(lane, serial)
+    sch.bind(run, "blockIdx.x")
+    sch.bind(lane, "threadIdx.x")
+    unroll(sch, serial, knobs.map_steps)
+    sch.unroll(vec)
+    for buffer in staged:
+        stage_in_registers(sch, block, buffer, serial)
+    out = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(out, serial, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(out)[-1])
+
+
+# -- the channels-last view (M, C): rows dealt out to blocks and lanes, lanes on channels ----
+# Two partials of two rows each is the smallest split whose row loop keeps two steps
+# (see ChannelsLastCandidate.choices). Below this many rows a channels-last reduction
+# keeps one partial (splits = rows = 1): its row loop has M steps, two or three, and
+# at M = 1 (eval's backward) no lane lies past the row, so no row guard exists to be
+# hoisted over the write-back.
+MIN_ROWS = 4
+
+
+@dataclass(frozen=True)
+class ChannelsLastKnobs(Knobs):
+    splits: int = 132  # blocks along M (the default comes from the target's SMs)
+    rows: int = 4  # threadIdx.y
+    channel_lanes: int = 32  # threadIdx.x: channel vectors per block
+    vector: int = 8
+    unroll: int = 4
+
+
+class ChannelsLastCandidate(Candidate):
+    """The space of a CUDA candidate on the ``(M, C)`` view: grid (splits, channel
+    groups), block (channel lanes, rows); ``threadIdx.x`` owns ``vector`` consecutive
+    channels (``vector`` divides C: one 16-byte access a row), rows are dealt out
+    ``m = (s J + j) R + r`` (block ``s``, ``threadIdx.y = r``, step ``j``)."""
+
+    target_kind = "cuda"
+    knobs = ChannelsLastKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def choices(self, problem: Any, target: Target) -> dict[str, list[int]]:
+        rows_total = problem.shape[0]
+        # Every (splits, rows) pair leaves each lane at least two steps of rows
+        # (splits * rows * 2 <= M). With one step the row loop vanishes, TVM hoists
+        # the row guard over the write-back too, and the partials of lanes past the
+        # last row are never written: the finalize kernel then read stale workspace
+        # (the H200 sweep: (M, C) = (8, 32) fp16 gave means off by 2.95 from the
+        # second call on, correct on the first).
+        rows = [r for r in (1, 2, 4, 8, 16) if r * 2 <= rows_total]
+        sms = sm_count(target)
+        splits = [s for s in (sms // 4, sms // 2, sms, 2 * sms, 4 * sms)  # 33 .. 528 on 132 SMs
+                  if s * max(rows, default=1) * 2 <= rows_total]
+        if rows_total < MIN_ROWS:  # one partial of all M rows (MIN_ROWS says why)
+            splits, rows = [1], [1]
+        elif not splits:  # few rows: fewer blocks, and two partials at least (one block)
+            splits = [max(1, rows_total // (2 * max(rows)))]
+            rows = [r for r in rows if r * splits[0] >= 2]
+        return {
+            "splits": splits,
+            "rows": rows,
+            "channel_lanes": [8, 16, 32, 64, 128, 256],
+            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.channels),
+            "unroll": [1, 2, 4, 8],
+        }
+
+    def default_for(self, problem: Any, target: Target) -> ChannelsLastKnobs:
+        vector = widest_vector(problem.dtype, problem.channels)
+        lanes = 1
+        while lanes * vector < problem.channels and lanes < 256:
+            lanes *= 2
+        if problem.shape[0] < MIN_ROWS:
+            return ChannelsLastKnobs(splits=1, rows=1, channel_lanes=lanes, vector=vector, unroll=4)
+        rows = max(1, min(16, 256 // lanes, problem.shape[0] // 2))  # two steps at least
+        groups = -(-problem.channels // (lanes * vector))
+        splits = max(1, min(BLOCKS_PER_SM * sm_count(target) // groups, problem.shape[0] // (rows * 8) or 1))
+        if splits * rows < 2:  # wide rows (256 lanes x 1 row): two blocks, two partials
+            splits = 2
+        return ChannelsLastKnobs(splits=splits, rows=rows, channel_lanes=lanes, vector=vector, unroll=4)
+
+
+def channels_last_grid(sch: s_tir.Schedule, run: LoopRV, lane_row: LoopRV, step: LoopRV, channel: LoopRV,
+                       knobs) -> LoopRV:
+    """Lay rows and channels out as :class:`ChannelsLastCandidate` says: ``run`` on
+    ``blockIdx.x``, ``lane_row`` on ``threadIdx.y``, the channel loop split into groups
+    (``blockIdx.y``) of ``channel_lanes`` lanes (``threadIdx.x``) of ``vector``
+    channels; a lane's row ``step`` loop and its vector innermost. Returns the lane
+    loop, where a thread's channels are fixed."""
+    group, lane, vec = sch.split(channel, [None, knobs.channel_lanes, knobs.vector])
+    sch.reorder(run, group, lane_row, lane, step, vec)
+    sch.bind(run, "blockIdx.x")
+    sch.bind(group, "blockIdx.y")
+    sch.bind(lane_row, "threadIdx.y")
+    sch.bind(lane, "threadIdx.x")
+    return lane
+
+
+def row_partials(sch: s_tir.Schedule, name: str, knobs, staged: tuple[str, ...], inline: tuple[str, ...] = ()) -> None:
+    """Kernel 1 of a channels-last reduction: per-thread partials of the block ``name``
+    (a reduction over M per channel), in a ``(C, P)`` float32 workspace.
+
+    1. Rows dealt out to (block ``s``, lane ``r``), the partial index ``p = (s, r)``
+       rfactored out (``<name>_rf``, channel-major so the finalize reads a channel's
+       partials contiguously).
+    2. ``threadIdx.x`` owns ``vector`` consecutive channels: the ``staged`` inputs come
+       through registers with one 16-byte load a row, per-channel inputs (a (C,)
+       buffer: the backward's mean and invstd) once per thread; the sums stay in
+       registers (``cache_write`` to ``local``) and are written once. The blocks in
+       ``inline`` (the shift K[c]) are inlined after the stages, so their reads stay
+       apart.
+    3. The accumulators are zeroed before the row loop (``decompose_reduction``), not
+       under its bounds predicate: when ``splits * rows`` outruns the rows, the last
+       blocks own no row at all, and an init that only ran with the first valid row
+       left their registers unset. Their garbage partials made the variance of
+       100352x64 fp16 (splits=528, rows=16) reach 3e31 on the H200.
+
+    The arithmetic stays scalar: TVM's CUDA codegen has no float32x8 type."""
+    block = sch.get_sblock(name)
+    stages = [sch.cache_read(block, read_index(sch, block, source), "local", consumer_blocks=[block])
+              for source in staged]
+    for inlined in inline:
+        sch.compute_inline(sch.get_sblock(inlined))
+    channel, row = sch.get_loops(block)
+    run, step, lane_row = sch.split(row, [knobs.splits, None, knobs.rows])
+    sch.reorder(channel, run, lane_row, step)
+    partial = sch.rfactor(sch.fuse(run, lane_row), factor_axis=1)
+    write_backs = [sch.cache_write(partial, index, "local") for index in range(len(sch.get(partial).writes))]
+    channel, p, step = sch.get_loops(partial)
+    run, lane_row = sch.split(p, [knobs.splits, knobs.rows])
+    lane = channels_last_grid(sch, run, lane_row, step, channel, knobs)
+    for write_back in write_backs:
+        sch.reverse_compute_at(write_back, lane)
+    registers_per_thread(sch, partial, lane)
+    for stage in stages:
+        sch.compute_at(stage, step, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(stage)[-1])
+    unroll(sch, step, knobs.unroll)
+    sch.decompose_reduction(partial, step)  # zero every partial, rows or not
+
+
+def channel_finalize(sch: s_tir.Schedule, reduced: str, consumers: list[str]) -> None:
+    """Kernel 2 of a channels-last reduction: a block per channel sums the channel's
+    partials of ``reduced`` across ``FINALIZE_THREADS`` lanes (shuffles plus one shared
+    hop) into registers, then thread 0 runs ``consumers`` in that order, each moved
+    into the channel loop (``reverse_compute_at``: the kernel stays where the sums
+    are, before the map, whichever side of the map a consumer was written on).
+    Thread 0 is the allreduce result's only reader: a block every thread ran there
+    would race StorageRewrite's reuse of it (cross_entropy_grad's ``row_order``
+    lesson)."""
+    block = sch.get_sblock(reduced)
+    channel, _ = sch.get_loops(block)
+    sch.bind(channel, "blockIdx.x")
+    lanes_split(sch, block, 1, FINALIZE_THREADS, 1, 1)
+    outputs_to(sch, block, "local")
+    for name in consumers:
+        consumer = sch.get_sblock(name)
+        sch.reverse_compute_at(consumer, channel)
+        single_thread(sch, consumer, FINALIZE_THREADS)
+
+
+def channels_last_map(sch: s_tir.Schedule, name: str, knobs, staged: tuple[str, ...],
+                      computed: tuple[str, ...] = ()) -> None:
+    """Kernel 3: the map ``name`` over ``(M, C)`` on kernel 1's grid: rows dealt out the
+    same way, ``threadIdx.x`` on ``vector`` consecutive channels. The ``computed``
+    blocks (coefficients from the inputs alone, consumers first) run in each thread's
+    registers for its channels; every other per-channel value the map reads (a (C,)
+    buffer: the finalize's coefficients, weight, bias, mean) is loaded into registers
+    once per thread. Per row the ``staged`` inputs come in with one 16-byte load each
+    and the result goes out with one 16-byte store."""
+    block = sch.get_sblock(name)
+    row, channel = sch.get_loops(block)
+    run, step, lane_row = sch.split(row, [knobs.splits, None, knobs.rows])
+    lane = channels_last_grid(sch, run, lane_row, step, channel, knobs)
+    unroll(sch, step, knobs.unroll)
+    for producer in computed:
+        coefficient = sch.get_sblock(producer)
+        sch.compute_at(coefficient, lane, preserve_unit_loops=True)
+        outputs_to(sch, coefficient, "local")
+    registers_per_thread(sch, block, lane)
+    for source in staged:
+        stage_in_registers(sch, block, source, step)
+    out = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(out, step, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(out)[-1])
+
+
+def registers_per_thread(sch: s_tir.Schedule, block: SBlockRV, lane: LoopRV) -> None:
+    """Load every per-channel value the block reads from global memory (a (C,) buffer)
+    into registers at ``lane``, the loop that fixes a thread's channels: once per
+    thread, not once per row."""
+    per_channel = [region.source.name for region in sch.get(block).reads
+                   if len(region.source.shape) == 1 and region.source.scope() == "global"]
+    for source in per_channel:
+        stage = sch.cache_read(block, read_index(sch, block, source), "local", consumer_blocks=[block])
+        sch.compute_at(stage, lane, preserve_unit_loops=True)
