@@ -9,6 +9,30 @@ sys.path.insert(0, str(ROOT / "tests"))
 from helpers import has_gpu  # noqa: E402
 
 
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every output the launchers allocate from now on starts as NaN (or -7777)."""
+    from tvm_fusion import arrays, records
+
+    plain = arrays.Kind.allocator
+
+    def allocator(self, shape, dtype):
+        allocate = plain(self, shape, dtype)
+        if self.name != "torch":
+            return allocate
+
+        def poisoned_allocate():
+            out = allocate()
+            return out.fill_(float("nan") if out.is_floating_point() else -7777)
+
+        return poisoned_allocate
+
+    monkeypatch.setattr(arrays.Kind, "allocator", allocator)
+    records.invalidate()  # the launchers are rebuilt with the poisoned allocators
+    yield
+    records.invalidate()
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU (skipped without one)")
     config.addinivalue_line("markers", "slow: long-running")

@@ -2,13 +2,17 @@
 
 ``tvm_fusion.torch.cross_entropy`` and ``tvm_fusion.torch.CrossEntropyLoss`` stand in
 for ``torch.nn.functional.cross_entropy`` and ``torch.nn.CrossEntropyLoss`` (class
-index targets, (B, V) logits), eager and under ``torch.compile(fullgraph=True)``.
+index targets, (B, V) logits); ``batch_norm``, ``BatchNorm1d`` and ``BatchNorm2d`` for
+``F.batch_norm`` and ``nn.BatchNorm1d/2d`` (training and eval, running statistics,
+contiguous or channels-last); eager and under ``torch.compile(fullgraph=True)``.
 ``tvm_fusion.torch.fold`` folds inference BatchNorm into the conv or linear before it;
-``patch(model)`` / ``unpatch(model)`` swap a model's ``nn.CrossEntropyLoss`` modules.
+``patch(model)`` / ``unpatch(model)`` swap a model's BatchNorm and CrossEntropyLoss
+modules for these.
 """
 
+from .batch_norm import BatchNorm1d, BatchNorm2d, batch_norm
 from .cross_entropy import CrossEntropyLoss, cross_entropy
 from .fold import fold
 from .patch import PatchedCrossEntropyLoss, Replaced, patch, unpatch
 
-__all__ = ["CrossEntropyLoss", "PatchedCrossEntropyLoss", "Replaced", "cross_entropy", "fold", "patch", "unpatch"]
+__all__ = ["BatchNorm1d", "BatchNorm2d", "CrossEntropyLoss", "PatchedCrossEntropyLoss", "Replaced", "batch_norm", "cross_entropy", "fold", "patch", "unpatch"]

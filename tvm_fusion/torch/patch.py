@@ -1,28 +1,33 @@
 """``patch(model)`` / ``unpatch(model)``: tvm_fusion's modules in place of torch's.
 
-``patch`` swaps every ``nn.CrossEntropyLoss`` submodule of a model for
-:class:`tvm_fusion.torch.CrossEntropyLoss` with the same arguments (weight buffer,
-ignore_index, reduction, label_smoothing) and returns what it replaced;
-``unpatch`` puts the originals back. The stand-in runs tvm_fusion's kernels on what
-they cover, (B, V) float16/bfloat16/float32 logits with class-index targets, and
-hands every other call (probability targets, (N, C, d1, ...) or unbatched inputs,
-float64) to
-``torch.nn.functional.cross_entropy`` with the same arguments, so a patched model
-computes what it computed before.
+``patch`` swaps, in place, every submodule of exactly these types and returns what
+it replaced; ``unpatch`` puts the originals back:
 
-BatchNorm modules are not swapped yet: tvm_fusion has no fused BatchNorm training
-kernels so far, and a module that normalized with framework ops would be slower than
-torch's.
+- ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` -> :class:`tvm_fusion.torch.BatchNorm1d` /
+  ``BatchNorm2d`` with the same options and mode, holding the *same* parameter and
+  buffer tensors (an optimizer made before the patch still steps them, and
+  ``unpatch`` finds the trained values in the originals);
+- ``nn.CrossEntropyLoss`` -> :class:`PatchedCrossEntropyLoss` with the same
+  arguments (weight buffer, ignore_index, reduction, label_smoothing).
+
+The stand-ins run tvm_fusion's kernels on what they cover (float16, bfloat16 and
+float32; (B, V) logits with class-index targets for the loss) and hand every other
+call (float64, probability targets, (N, C, d1, ...) or unbatched losses) to torch's
+functional form with the same arguments, so a patched model computes what it
+computed before. Subclasses of these types are left alone (they may change
+``forward``), and so are hooks: a module's hooks stay on the original.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .batch_norm import BatchNorm1d, BatchNorm2d
 from .cross_entropy import CrossEntropyLoss
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -50,21 +55,46 @@ class Replaced:
     replacement: nn.Module
 
 
+def _cross_entropy(module: nn.CrossEntropyLoss) -> nn.Module:
+    return PatchedCrossEntropyLoss(module.weight, ignore_index=module.ignore_index, reduction=module.reduction,
+                                   label_smoothing=module.label_smoothing)
+
+
+def _batch_norm(kind: type) -> Callable[[nn.Module], nn.Module]:
+    def replace(module: nn.Module) -> nn.Module:
+        replacement = kind(module.num_features, module.eps, module.momentum, module.affine,
+                           module.track_running_stats, device="meta")
+        for name in ("weight", "bias"):  # the same Parameter objects
+            setattr(replacement, name, getattr(module, name))
+        for name in ("running_mean", "running_var", "num_batches_tracked"):  # the same buffers
+            replacement.register_buffer(name, getattr(module, name))
+        return replacement
+
+    return replace
+
+
+# Exact types only: a subclass may change forward.
+_STAND_INS: dict[type, Callable[[nn.Module], nn.Module]] = {
+    nn.CrossEntropyLoss: _cross_entropy,
+    nn.BatchNorm1d: _batch_norm(BatchNorm1d),
+    nn.BatchNorm2d: _batch_norm(BatchNorm2d),
+}
+
+
 def patch(model: nn.Module) -> list[Replaced]:
-    """Swap ``model``'s ``nn.CrossEntropyLoss`` submodules for tvm_fusion's, in place;
-    returns the swaps (empty when there was nothing to swap). Patching twice swaps
-    nothing more."""
+    """Swap ``model``'s ``nn.BatchNorm1d``, ``nn.BatchNorm2d`` and ``nn.CrossEntropyLoss``
+    submodules for tvm_fusion's, in place; returns the swaps (empty when there was
+    nothing to swap). Patching twice swaps nothing more."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch: model must be a torch.nn.Module, got {type(model).__name__}")
-    if isinstance(model, nn.CrossEntropyLoss):
-        raise TypeError("patch: the model itself is an nn.CrossEntropyLoss; use "
-                        "tvm_fusion.torch.CrossEntropyLoss(...) directly")
+    if type(model) in _STAND_INS:
+        raise TypeError(f"patch: the model itself is an nn.{type(model).__name__}; use "
+                        f"tvm_fusion.torch's {type(model).__name__} directly")
     swaps = []
     for name, module in list(model.named_modules()):
-        if type(module) is nn.CrossEntropyLoss:  # subclasses may change forward: left alone
-            replacement = PatchedCrossEntropyLoss(module.weight, ignore_index=module.ignore_index,
-                                                  reduction=module.reduction,
-                                                  label_smoothing=module.label_smoothing)
+        make = _STAND_INS.get(type(module))
+        if make is not None:
+            replacement = make(module)
             replacement.train(module.training)
             model.set_submodule(name, replacement)
             swaps.append(Replaced(name, module, replacement))
