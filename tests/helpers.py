@@ -83,19 +83,32 @@ def run_poisoned(kernel, inputs: list[np.ndarray], device=None) -> list[np.ndarr
     """Run ``kernel`` on ``inputs`` with every output pre-filled with poison; return outputs.
 
     An output element the kernel never writes stays NaN (or POISON_INT) and fails the
-    comparison with the reference."""
+    comparison with the reference. Each output is the front of a longer poisoned
+    buffer, and a store past its end fails here: such stores land in a neighbouring
+    allocation, which nothing else checks (the dx of a BatchNorm backward overwrote
+    torch's tensors on the H200, 2026-12-01, while its own values were right)."""
     device = device or (tvm.cuda(0) if kernel.target.kind.name == "cuda" else tvm.cpu(0))
     args = [tvm.runtime.tensor(np.ascontiguousarray(a), device) for a in inputs]
     # The parameters after the inputs are the outputs (Kernel.num_inputs counts
     # logits, target[, weight] only: cross_entropy_grad's from_lse has two more).
     shapes = kernel.params[: len(inputs)]
     args = [a._create_view(shape) for a, (_, shape, _) in zip(args, shapes)]
-    outs = []
+    buffers, outs = [], []
     for _, shape, dtype in kernel.params[len(inputs) :]:
         poison = POISON_INT if dtype.startswith("int") else POISON_FLOAT
-        outs.append(tvm.runtime.tensor(np.full(shape, poison, dtype=dtype), device))
+        buffer = tvm.runtime.tensor(np.full(int(np.prod(shape)) + GUARD_ELEMENTS, poison, dtype=dtype), device)
+        buffers.append((buffer, int(np.prod(shape)), poison))
+        outs.append(buffer._create_view(tuple(shape)))
     kernel(*args, *outs)
+    for (name, _, _), (buffer, size, poison) in zip(kernel.params[len(inputs) :], buffers):
+        tail = buffer.numpy()[size:]
+        written = ~np.isnan(tail.astype(np.float64)) if poison is POISON_FLOAT else tail != poison
+        assert not written.any(), (f"{kernel.candidate} {kernel.knobs}: {int(written.sum())} values stored past "
+                                   f"the end of {name} (first at +{int(np.argmax(written))})")
     return [o.numpy() for o in outs]
+
+
+GUARD_ELEMENTS = 1 << 14  # poisoned elements after each output
 
 
 def has_gpu() -> bool:

@@ -43,6 +43,13 @@ def kernel_args(problem, x, weight, bias, running_mean, running_var, momentum):
     return args + ([momentum] if problem.updates_running else [])
 
 
+def mean_rounding(problem, ref, weight):
+    """Per channel, what rounding the mean to float32 moves y by: half an ulp of the
+    mean times the map's scale (no float32 kernel does better: torch's does not)."""
+    scale = ref["save_invstd"] * (np.abs(weight) if problem.affine else 1.0)
+    return 2.0**-24 * np.abs(ref["save_mean"]) * scale * 2
+
+
 def check(kernel, outs, problem, x, weight, bias, running_mean, running_var, momentum, what=""):
     ref = reference(x, weight if problem.affine else None, bias if problem.affine else None,
                     running_mean if problem.track_running else None, running_var if problem.track_running else None,
@@ -54,6 +61,9 @@ def check(kernel, outs, problem, x, weight, bias, running_mean, running_var, mom
         scale = float(np.abs(want).max()) or 1.0
         tol = 3e-5 * scale * (np.sqrt(problem.count) if name != "y" else 1.0)
         tol = tol + (ROUNDING[problem.dtype] * np.abs(want) if name == "y" else 0.0) + 1e-6 * np.abs(want)
+        if name == "y":  # the float32 mean itself is off by up to half an ulp: |mean| >> std shows it
+            tol = tol + mean_rounding(problem, ref, weight).reshape(
+                (1,) * (len(want.shape) - 1) + (-1,) if problem.channels_last else (1, -1) + (1,) * (len(want.shape) - 2))
         err = np.abs(got - want)
         assert not np.isnan(err).any(), f"{what} {name}: an element is unwritten or NaN"
         assert (err <= tol).all(), f"{what} {name}: off by {err.max():.3g} (largest {scale:.3g})"

@@ -121,7 +121,10 @@ def test_cuda_source_of_default_and_sampled_knobs(name, problem):
         assert not barriers_under_a_guard(source), f"{what}: {barriers_under_a_guard(source)[:2]}"
         assert not shared_stores_by_every_thread(source), f"{what}: {shared_stores_by_every_thread(source)[:2]}"
         if knobs.vector * DTYPE_BYTES[problem.dtype] == 16:
-            assert all(vector_access(source, b) for b in staged + [output]), what
+            # 16-byte stores where the map's lanes split the tensor evenly; elsewhere
+            # stores one by one under the bound (schedules.cuda.common.store_vectors)
+            even = (problem.numel // knobs.vector) % (knobs.map_steps * knobs.map_threads) == 0
+            assert all(vector_access(source, b) for b in staged + ([output] if even else [])), what
         script = kernel.mod.script()
         last_coefficient = "bn_shift" if name == FORWARD else ("bn_dx_xhat" if problem.training else None)
         if last_coefficient:

@@ -251,12 +251,41 @@ def plane_map(sch: s_tir.Schedule, block, knobs, staged: tuple[str, ...]) -> Non
     """A map over the channel's planes (the block's loops after the channel): lanes
     over consecutive vectors, the ``staged`` inputs loaded 16 bytes at a time into
     registers, the result stored 16 bytes at a time."""
-    _, serial, _ = lanes_split(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll)
+    chunks = loop_extent(sch, block, 1) // knobs_value(sch, knobs.vector)
+    _, serial, vec = lanes_split(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll)
     for name in staged:
         stage_in_registers(sch, block, name, serial)
-    out = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(out, serial, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(out)[-1])
+    store_vectors(sch, block, serial, vec, perfect=chunks % knobs_value(sch, knobs.threads) == 0)
+
+
+def store_vectors(sch: s_tir.Schedule, block, at, vec, perfect: bool) -> None:
+    """The block's result stored ``vector`` values at a time through registers, when
+    the lanes split its loop evenly (``perfect``). Otherwise its values are stored one
+    by one under the block's own bound: the write-back that ``reverse_compute_at``
+    places under ``at`` gets no bound of its own when the lanes' index is a
+    floordiv/floormod of a fused (n, l) loop, and the lanes past the end stored 16
+    bytes each beyond the output (bn_backward (4, 6, 40) fp32, 128 lanes: dx stores
+    unguarded, torch's neighbouring tensors overwritten on the H200, 2026-12-01).
+    A row of cross entropy (one linear index) keeps its bound."""
+    if perfect:
+        out = sch.cache_write(block, 0, "local")
+        sch.reverse_compute_at(out, at, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(out)[-1])
+    else:
+        sch.unroll(vec)
+
+
+def loop_extent(sch: s_tir.Schedule, block, keep_outer: int) -> int:
+    """The product of the block's loop extents after the first ``keep_outer``."""
+    extent = 1
+    for loop in sch.get_loops(block)[keep_outer:]:
+        extent *= int(sch.get(loop).extent)
+    return extent
+
+
+def knobs_value(sch: s_tir.Schedule, knob: Any) -> int:
+    """A knob's value: an int, or a sampled one's decision in this schedule."""
+    return knob if isinstance(knob, int) else int(sch.get(knob))
 
 
 # -- each channel of the (N, C, L) view split across blocks (BatchNorm's split_plane) --------
@@ -381,6 +410,7 @@ def tensor_map(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: A
     one plane and its channel index is one per vector."""
     block = sch.get_sblock(name)
     n, c, l = sch.get_loops(block)
+    chunks = loop_extent(sch, block, 0) // knobs_value(sch, knobs.vector)
     l_outer, vec = sch.split(l, [None, knobs.vector])
     run, serial, lane = sch.split(sch.fuse(n, c, l_outer), [None, knobs.map_steps, knobs.map_threads])
     sch.reorder(lane, serial)
@@ -390,9 +420,8 @@ def tensor_map(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: A
     sch.unroll(vec)
     for buffer in staged:
         stage_in_registers(sch, block, buffer, serial)
-    out = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(out, serial, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(out)[-1])
+    per_block = knobs_value(sch, knobs.map_steps) * knobs_value(sch, knobs.map_threads)
+    store_vectors(sch, block, serial, vec, perfect=chunks % per_block == 0)
 
 
 # -- the channels-last view (M, C): rows dealt out to blocks and lanes, lanes on channels ----
