@@ -18,8 +18,8 @@ dx(SSS)``, the ``dual_reduce`` decomposition on the ``(N, C, L)`` view.
 
 Not scheduled for the channels-last view (M, C): its reads would stride by C.
 
-Has run only through code generation so far: no GPU run, no timing, so dispatch has
-nothing that prefers it (it is the only CUDA candidate of its op).
+The fallback of its op on the (N, C, L) view (split plane first where it is preferred);
+the gpu suite checks it against float64, and it has not been timed alone.
 """
 
 from __future__ import annotations

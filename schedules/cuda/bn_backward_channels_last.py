@@ -34,7 +34,8 @@ between the sums and the map (a block would own all M rows of its channel group:
 C / (lanes * vector) blocks, too few for the SMs unless C is large, and TensorIR has
 no grid-wide barrier for a persistent split).
 
-Has run only through code generation so far: no GPU run, no timing.
+On the H200 (results/benchmarks.csv, 2026-12-01 at 32f74c8), behind the channels-last
+forward: forward + backward kernels 0.2995 ms on 64x256x56x56 bf16; not tuned yet.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ the map in kernel 2 (C blocks again); a grid barrier between the sums and
 the map (TensorIR has no grid-wide sync); atomicAdd of the partials
 (order-dependent results and a zeroing pass).
 
-Has run only through code generation so far: no GPU run, no timing.
+On the H200 (results/benchmarks.csv, 2026-12-01 at 32f74c8), behind dispatch's forward
+pick: forward + backward kernels 0.2246 ms on 64x256x56x56 fp16, 0.1125 on 32x64x112x112.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ that keeps each channel group's rows on chip from the statistics to the map (a b
 would own all M rows of its group, C / (lanes * vector) blocks: too few for the SMs
 unless C is large, and TensorIR has no grid-wide barrier for a persistent split).
 
-Has run only through code generation so far: no GPU run, no timing.
+On the H200 (results/benchmarks.csv, 2026-12-01 at 32f74c8): 64x256x56x56 bf16 channels-last
+0.1294 ms, 56% of the copy bandwidth for its three passes; not tuned yet.
 """
 
 from __future__ import annotations

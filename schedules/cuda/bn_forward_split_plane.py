@@ -41,7 +41,9 @@ in kernel 2 (C blocks again); a grid barrier between the sums and the map
 (TensorIR has no grid-wide sync); atomicAdd of the partials (order-dependent results
 and a zeroing pass).
 
-Has run only through code generation so far: no GPU run, no timing.
+On the H200 (results/benchmarks.csv, 2026-12-01 at 32f74c8): 64x256x56x56 fp16 0.0900 ms,
+81% of the copy bandwidth for its three passes (2 reads and a write of x); 32x64x112x112
+0.0447; 256x2048x7x7 0.0960 (not preferred there: persistent 0.0600).
 """
 
 from __future__ import annotations
