@@ -32,8 +32,8 @@ from tvm_fusion.contracts import BNStatsProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 from tvm_fusion.targets import sm_count
 
-from ..common import lanes_split, read_index, single_thread, unroll
-from .common import BLOCKS_PER_SM, FINALIZE_THREADS, widest_vector
+from ..common import lanes_split, single_thread
+from .common import BLOCKS_PER_SM, FINALIZE_THREADS, split_plane_partials, widest_vector
 
 
 @dataclass(frozen=True)
@@ -90,23 +90,10 @@ class BNStatsSplitPlane(Candidate):
         return SplitPlaneKnobs(splits=splits, threads=threads, vector=vector, unroll=8)
 
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:
+        # 1-2. Kernel 1: (n, l / vector) cut into `splits` runs, the run index
+        # rfactored out, a block per (channel, run).
+        split_plane_partials(sch, "moments", ("x",), knobs)
         moments = sch.get_sblock("moments")
-        stage = sch.cache_read(moments, read_index(sch, moments, "x"), "local", consumer_blocks=[moments])
-        # 1. (n, l / vector) cut into `splits` runs, the run index rfactored out.
-        channel, n, l = sch.get_loops(moments)
-        l_outer, vec = sch.split(l, [None, knobs.vector])
-        run, within = sch.split(sch.fuse(n, l_outer), [knobs.splits, None])
-        partial = sch.rfactor(run, factor_axis=0)
-        # 2. Kernel 1: a block per (channel, run).
-        channel, run, within, vec = sch.get_loops(partial)
-        sch.bind(channel, "blockIdx.x")
-        sch.bind(run, "blockIdx.y")
-        serial, lane = sch.split(within, [None, knobs.threads])
-        sch.reorder(lane, serial, vec)
-        sch.bind(lane, "threadIdx.x")
-        unroll(sch, serial, knobs.unroll)
-        sch.compute_at(stage, serial, preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(stage)[-1])
         # 3. Kernel 2: a block per channel sums the partials and writes mean, var.
         mean, var = sch.get_sblock("mean"), sch.get_sblock("var")
         final = sch.merge(sch.get_loops(mean)[0], sch.get_loops(var)[0])

@@ -37,7 +37,6 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .. import arrays, records, targets
