@@ -16,6 +16,7 @@ from .cpu import (  # noqa: F401
 from .cuda import (  # noqa: F401
     bn_backward_block_per_channel,
     bn_backward_channels_last,
+    bn_backward_persistent,
     bn_backward_split_plane,
     bn_forward_block_per_channel,
     bn_forward_channels_last,
@@ -71,6 +72,7 @@ DISPATCH_ORDER = {
     ],
     # The channels-last candidates take the (M, C) view, the others the (N, C, L) one.
     ("bn_backward", "cuda"): [
+        "bn_backward_persistent",
         "bn_backward_channels_last",
         "bn_backward_split_plane",
         "bn_backward_block_per_channel",

@@ -410,3 +410,30 @@ def test_a_patched_training_step_replays_in_a_cuda_graph():
         torch.testing.assert_close(captured_loss, ref_loss, rtol=1e-4, atol=1e-5)
         for (name, ours), theirs in zip(model.state_dict().items(), reference.state_dict().values()):
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_patch_trains_torchvisions_resnet18_as_torch_does(device):
+    """The issue's second model, where torchvision is installed (it is on neither the
+    CI machine nor the H200 host so far, so this bound is not calibrated yet: 1e-3
+    relative, ten times the small ResNet's)."""
+    torchvision = pytest.importorskip("torchvision")
+    seeded()
+    model = torchvision.models.resnet18(num_classes=10).to(device)
+    reference = copy.deepcopy(model)
+    swaps = tft.patch(model)
+    assert len(swaps) == 20  # every BatchNorm2d of ResNet-18
+    x, target = torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 10, (8,), device=device)
+    curves = []
+    for m in (model, reference):
+        opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
+        curve = []
+        for _ in range(20):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x), target)
+            loss.backward()
+            opt.step()
+            curve.append(float(loss.detach()))
+        curves.append(torch.tensor(curve))
+    torch.testing.assert_close(curves[0], curves[1], rtol=1e-3, atol=1e-5)
+    assert curves[1][-1] < 0.5 * curves[1][0]

@@ -69,13 +69,13 @@ from .common import THREADS_BY_COUNT, vector_choices, widest_vector
 
 REGISTERS, SHARED = 0, 1  # the staging knob's values (knobs are ints)
 THREADS = [32, 64, 128, 256, 512, 1024]
-# 32-bit registers of x a lane may keep, by threads per block: half of what a lane
-# gets when the block has the SM's 64K registers to itself (64 at 1024 threads), the
-# rest for addresses, sums and coefficients; at most 64 below that. From first
+# 32-bit registers of on-chip copies a lane may keep, by threads per block: half of
+# what a lane gets when the block has the SM's 64K registers to itself (64 at 1024
+# threads), the rest for addresses, sums and coefficients; at most 64 below that. From first
 # principles; ptxas (CUDA 13.0, sm_90) reports no spills at both ends, 128 registers
 # at 512 threads and 64 at 1024 (tests/test_bn_persistent.py).
 REGISTER_WORDS = [(512, 64), (1024, 32)]
-# A block's copy in shared memory: two blocks an SM fit the H200's 227 KB with room
+# A block's copies in shared memory: two blocks an SM fit the H200's 227 KB with room
 # for the reductions' scratch, and the L1 keeps the rest of the 256 KB. From first
 # principles, not measured.
 SHARED_BYTES_MAX = 96 * 1024
@@ -106,22 +106,10 @@ class BNForwardPersistent(Candidate):
                 and bool(register_threads(problem) or shared_threads(problem)))
 
     def choices(self, problem: BNForwardProblem, target: Target) -> dict[str, list[int]]:
-        if register_threads(problem):
-            knobs = self.default_for(problem, target)
-            return {"threads": [knobs.threads], "vector": [knobs.vector], "staging": [REGISTERS]}
-        return {"threads": shared_threads(problem),
-                "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]), "staging": [SHARED]}
+        return on_chip_choices(problem, copies=1)
 
     def default_for(self, problem: BNForwardProblem, target: Target) -> PersistentKnobs:
-        """block_per_channel's lanes by vectors per channel, moved to the nearest count
-        the staging allows (the next larger one, else the largest)."""
-        vector = widest_vector(problem.dtype, problem.shape[2])
-        options, staging = register_threads(problem), REGISTERS
-        if not options:
-            options, staging = shared_threads(problem), SHARED
-        wanted = ladder(problem.count // vector, THREADS_BY_COUNT, THREADS[-1])
-        threads = min((t for t in options if t >= wanted), default=options[-1])
-        return PersistentKnobs(threads=threads, vector=vector, staging=staging)
+        return on_chip_default(problem, copies=1)
 
     def schedule(self, sch, problem: BNForwardProblem, knobs) -> None:
         staging = knob_value(sch, knobs.staging)  # one choice per shape: safe to branch on
@@ -186,20 +174,46 @@ class BNForwardPersistent(Candidate):
             single_thread(sch, sch.get_sblock(name), threads)
 
 
-def register_threads(problem: BNForwardProblem) -> list[int]:
+def on_chip_choices(problem, copies: int) -> dict[str, list[int]]:
+    """The knob space of a candidate that keeps ``copies`` tensors of the channel's size
+    on chip (the forward x; the backward x and dy): with registers one point, the
+    layout bakes threads and vector in; with shared memory its threads and vectors."""
+    if register_threads(problem, copies):
+        knobs = on_chip_default(problem, copies)
+        return {"threads": [knobs.threads], "vector": [knobs.vector], "staging": [REGISTERS]}
+    return {"threads": shared_threads(problem, copies),
+            "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]), "staging": [SHARED]}
+
+
+def on_chip_default(problem, copies: int) -> PersistentKnobs:
+    """block_per_channel's lanes by vectors per channel, moved to the nearest count the
+    staging allows (the next larger one, else the largest)."""
+    vector = widest_vector(problem.dtype, problem.shape[2])
+    options, staging = register_threads(problem, copies), REGISTERS
+    if not options:
+        options, staging = shared_threads(problem, copies), SHARED
+    wanted = ladder(problem.count // vector, THREADS_BY_COUNT, THREADS[-1])
+    threads = min((t for t in options if t >= wanted), default=options[-1])
+    return PersistentKnobs(threads=threads, vector=vector, staging=staging)
+
+
+def register_threads(problem, copies: int = 1) -> list[int]:
     """Thread counts that split the channel's chunks (of the widest vector) evenly over
-    the lanes with at most ``REGISTER_WORDS`` 32-bit registers of x a lane."""
+    the lanes with at most ``REGISTER_WORDS`` 32-bit registers a lane for its share of
+    the ``copies`` tensors kept."""
     vector = widest_vector(problem.dtype, problem.shape[2])
     chunks = problem.count // vector
     words = -(-vector * DTYPE_BYTES[problem.dtype] // 4)  # a 16-bit value alone takes a register
     return [t for t in THREADS
-            if chunks % t == 0 and 2 <= chunks // t and chunks // t * words <= ladder(t, REGISTER_WORDS, 0)]
+            if chunks % t == 0 and 2 <= chunks // t
+            and copies * (chunks // t) * words <= ladder(t, REGISTER_WORDS, 0)]
 
 
-def shared_threads(problem: BNForwardProblem) -> list[int]:
+def shared_threads(problem, copies: int = 1) -> list[int]:
     """Thread counts that give every lane ``SHARED_STEPS`` chunks, for every vector of
-    the space, when the channel fits ``SHARED_BYTES_MAX``; none when it does not."""
-    if problem.count * DTYPE_BYTES[problem.dtype] > SHARED_BYTES_MAX:
+    the space, when the ``copies`` tensors of the channel fit ``SHARED_BYTES_MAX``;
+    none when they do not."""
+    if copies * problem.count * DTYPE_BYTES[problem.dtype] > SHARED_BYTES_MAX:
         return []
     vectors = vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2])
     fewest, most = problem.count // max(vectors), problem.count // min(vectors)
