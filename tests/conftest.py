@@ -16,8 +16,8 @@ def poisoned(monkeypatch):
 
     plain = arrays.Kind.allocator
 
-    def allocator(self, shape, dtype):
-        allocate = plain(self, shape, dtype)
+    def allocator(self, shape, dtype, *args, **kwargs):
+        allocate = plain(self, shape, dtype, *args, **kwargs)
         if self.name != "torch":
             return allocate
 

@@ -437,3 +437,22 @@ def test_patch_trains_torchvisions_resnet18_as_torch_does(device):
         curves.append(torch.tensor(curve))
     torch.testing.assert_close(curves[0], curves[1], rtol=1e-3, atol=1e-5)
     assert curves[1][-1] < 0.5 * curves[1][0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("memory_format", ["contiguous_format", "channels_last"])
+def test_an_in_place_relu_after_the_batch_norm_trains_as_torchs(device, memory_format):
+    """ResNet's ``nn.ReLU(inplace=True)`` modifies the BatchNorm's output: autograd
+    forbids that on a view made inside a custom Function (torchvision's ResNet-18
+    failed so on the H200), so ``y`` must be a tensor of its own."""
+    seeded()
+    fmt = getattr(torch, memory_format)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1, bias=False), nn.BatchNorm2d(8), nn.ReLU(inplace=True),
+                          nn.Conv2d(8, 4, 1)).to(device).to(memory_format=fmt)
+    reference = copy.deepcopy(model)
+    tft.patch(model)
+    x = torch.randn(4, 3, 6, 6, device=device).to(memory_format=fmt)
+    for m in (model, reference):
+        m(x).square().sum().backward()
+    for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -108,14 +108,16 @@ class Kind:
         self.cuda = like.device_type == "cuda"
         self.device = like.obj.device if like.kind == "torch" else tvm_device(like)
 
-    def allocator(self, shape: tuple[int, ...], dtype: str) -> Callable[[], Any]:
+    def allocator(self, shape: tuple[int, ...], dtype: str, memory_format: Any = None) -> Callable[[], Any]:
         """A function that allocates one output: everything about it resolved once
         (``torch.empty`` with sizes as arguments costs 1.0 us here, with a shape
-        tuple 1.5)."""
+        tuple 1.5); ``memory_format`` (torch only) as torch.empty takes it."""
         if self.name == "torch":
             dt, dev = getattr(torch, dtype), self.device
             if not shape:
                 return lambda: torch.empty((), dtype=dt, device=dev)
+            if memory_format is not None:
+                return lambda: torch.empty(*shape, dtype=dt, device=dev, memory_format=memory_format)
             return lambda: torch.empty(*shape, dtype=dt, device=dev)
         if self.name == "numpy":
             dt = np.dtype(dtype)

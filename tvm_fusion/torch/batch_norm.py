@@ -129,9 +129,27 @@ class _View:
             t = t.clone()
         return t.view(self.kernel_shape)
 
-    def from_kernel(self, t: torch.Tensor) -> torch.Tensor:
-        """A kernel output of the canonical view in the input's shape and memory format."""
-        return t.view(self.shape).permute(0, 3, 1, 2) if self.channels_last else t.view(self.input_shape)
+    def output(self, kind: arrays.Kind, dtype: str) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+        """A function allocating an output of the input's shape and memory format:
+        ``(the tensor, its view as the kernel's parameter)``. The caller gets the
+        tensor itself, not a view: autograd forbids an in-place op (``ReLU(inplace=True)``
+        after the BatchNorm) on a view made inside a custom Function."""
+        if self.channels_last:
+            allocate = kind.allocator(self.input_shape, dtype, torch.channels_last)
+            kernel_shape = self.kernel_shape
+
+            def channels_last():
+                out = allocate()
+                return out, out.permute(0, 2, 3, 1).view(kernel_shape)
+
+            return channels_last
+        allocate, kernel_shape = kind.allocator(self.input_shape, dtype), self.kernel_shape
+
+        def contiguous():
+            out = allocate()
+            return out, out.view(kernel_shape)
+
+        return contiguous
 
 
 def output_format(input: torch.Tensor) -> torch.memory_format:
@@ -180,31 +198,31 @@ def _forward_launcher(key, input, running_mean, running_var, weight, bias, train
     kernel = kernel_for(problem, targets.for_device(input.device.type))
     func, device, updates = kernel.func, input.device, problem.updates_running
     kind = arrays.Kind(arrays.inspect(input, OP, "input"))
-    new_y, new_vector = kind.allocator(*kernel.outputs[0][1:]), kind.allocator((channels,), "float32")
+    new_y, new_vector = view.output(kind, kernel.outputs[0][2]), kind.allocator((channels,), "float32")
     weight_of, bias_of = _parameter(channels, device, 1.0), _parameter(channels, device, 0.0)
 
     def launch(input, running_mean, running_var, weight, bias, momentum):
         args = [view.to_kernel(input)]
         if affine:
             args += [weight_of(weight), bias_of(bias)]
-        y, mean, invstd = new_y(), new_vector(), new_vector()
+        (y, y_arg), mean, invstd = new_y(), new_vector(), new_vector()
         if not track:
-            func(*args, y, mean, invstd)
-            return view.from_kernel(y), mean, invstd, None, None
+            func(*args, y_arg, mean, invstd)
+            return y, mean, invstd, None, None
         rm, rv = _float32(running_mean), _float32(running_var)
         args += [rm, rv]
         if not updates:
-            func(*args, y, mean, invstd)
-            return view.from_kernel(y), mean, invstd, None, None
+            func(*args, y_arg, mean, invstd)
+            return y, mean, invstd, None, None
         args.append(_momentum(momentum, device))
         if in_place and rm is running_mean and rv is running_var:
-            func(*args, y, mean, invstd, rm, rv)
-            return view.from_kernel(y), mean, invstd, running_mean, running_var
+            func(*args, y_arg, mean, invstd, rm, rv)
+            return y, mean, invstd, running_mean, running_var
         new_mean, new_var = new_vector(), new_vector()
-        func(*args, y, mean, invstd, new_mean, new_var)
+        func(*args, y_arg, mean, invstd, new_mean, new_var)
         if in_place:  # buffers of another dtype or alignment: the update copied back
-            return view.from_kernel(y), mean, invstd, running_mean.copy_(new_mean), running_var.copy_(new_var)
-        return view.from_kernel(y), mean, invstd, new_mean, new_var
+            return y, mean, invstd, running_mean.copy_(new_mean), running_var.copy_(new_var)
+        return y, mean, invstd, new_mean, new_var
 
     _FORWARD[key] = launch
     return launch
@@ -229,7 +247,7 @@ def _backward_launcher(key, input, weight, training):
     kernel = kernel_for(problem, targets.for_device(device.type))
     func, affine = kernel.func, weight is not None
     kind = arrays.Kind(arrays.inspect(input, OP, "input"))
-    new_dx, new_vector = kind.allocator(*kernel.outputs[0][1:]), kind.allocator((channels,), "float32")
+    new_dx, new_vector = view.output(kind, kernel.outputs[0][2]), kind.allocator((channels,), "float32")
     weight_of = _parameter(channels, device, 1.0)
 
     def launch(grad, input, save_mean, save_invstd, weight):
@@ -238,9 +256,9 @@ def _backward_launcher(key, input, weight, training):
         args = [view.to_kernel(input), view.to_kernel(grad), save_mean, save_invstd]
         if affine:
             args.append(weight_of(weight))
-        dx, dweight, dbias = new_dx(), new_vector(), new_vector()
-        func(*args, dx, dweight, dbias)
-        return view.from_kernel(dx), dweight, dbias
+        (dx, dx_arg), dweight, dbias = new_dx(), new_vector(), new_vector()
+        func(*args, dx_arg, dweight, dbias)
+        return dx, dweight, dbias
 
     _BACKWARD[key] = launch
     return launch
