@@ -190,3 +190,26 @@ def check_compiles_without_spills(kernel) -> None:
 
     report = cuda_report(kernel)
     assert not any(report.spill_bytes.values()) and report.vector_loads > 0 and report.shuffles > 0, report
+
+
+def check_threads_decisions_replay(candidate, problem, target) -> None:
+    """The tuner replays a candidate's trace with other sampled decisions: each
+    ``threads`` decision (the first sampled knob) must build and launch the threads
+    it says."""
+    import tvm
+    from tvm import s_tir
+
+    from tvm_fusion.compute import prim_func
+    from tvm_fusion.kernel import compiled_form
+
+    func = prim_func(problem, candidate.algorithm)
+    trace = candidate.apply(func, target, tunable=True).trace
+    threads = next(inst for inst in trace.insts if inst.kind.name == "SampleCategorical")
+    assert [int(v) for v in threads.attrs[0]] == candidate.choices(problem, target)["threads"]
+    for decision, count in enumerate(candidate.choices(problem, target)["threads"]):
+        sch = s_tir.Schedule(func)
+        trace.with_decision(threads, decision, remove_postproc=True).apply_to_schedule(sch, remove_postproc=True)
+        with target:
+            executable = tvm.compile(compiled_form(sch.mod, problem), target=target)
+        source = "\n".join(m.inspect_source() for m in executable.mod.imports)
+        assert f"__launch_bounds__({count})" in source

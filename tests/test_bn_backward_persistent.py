@@ -12,7 +12,9 @@ import re
 
 import pytest
 
-from helpers import check_compiles_without_spills, needs_nvcc, on_gpu, rng, run_poisoned
+from helpers import (
+    check_compiles_without_spills, check_threads_decisions_replay, needs_nvcc, on_gpu, rng, run_poisoned,
+)
 from test_bn_backward import check, inputs
 from test_bn_persistent import kernel_body
 from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
@@ -151,23 +153,7 @@ def test_cuda_kernel_of_scalar_planes_compiles_without_spills():
 def test_tuning_space_replays_with_every_decision(p):
     """Each threads decision of the shared-memory space builds and launches the threads
     it says; the uneven tails keep dx's stores one by one under the bound."""
-    import tvm
-    from tvm import s_tir
-
-    from tvm_fusion.compute import prim_func
-    from tvm_fusion.kernel import compiled_form
-
-    func = prim_func(p, CANDIDATE.algorithm)
-    trace = CANDIDATE.apply(func, CUDA, tunable=True).trace
-    threads = next(inst for inst in trace.insts if inst.kind.name == "SampleCategorical")  # the first knob
-    assert [int(v) for v in threads.attrs[0]] == CANDIDATE.choices(p, CUDA)["threads"]
-    for decision, count in enumerate(CANDIDATE.choices(p, CUDA)["threads"]):
-        sch = s_tir.Schedule(func)
-        trace.with_decision(threads, decision, remove_postproc=True).apply_to_schedule(sch, remove_postproc=True)
-        with CUDA:
-            executable = tvm.compile(compiled_form(sch.mod, p), target=CUDA)
-        source = "\n".join(m.inspect_source() for m in executable.mod.imports)
-        assert f"__launch_bounds__({count})" in source
+    check_threads_decisions_replay(CANDIDATE, p, CUDA)
 
 
 # -- on a GPU ----------------------------------------------------------------------------
