@@ -105,8 +105,7 @@ class _View:
         if input.dtype not in KERNEL_DTYPES:
             raise TypeError(f"{OP}: input must be float16, bfloat16 or float32, got {input.dtype} "
                             "(tvm_fusion.torch.BatchNorm*d hand float64 to torch)")
-        self.channels_last = (rank == 4 and not input.is_contiguous()
-                              and input.is_contiguous(memory_format=torch.channels_last))
+        self.channels_last = output_format(input) is torch.channels_last
         self.copy = not (self.channels_last or input.is_contiguous())  # odd strides: one contiguous copy
         n, c, *rest = input.shape
         if self.channels_last:
