@@ -459,4 +459,8 @@ def test_an_in_place_relu_after_the_batch_norm_trains_as_torchs(device, memory_f
     for m in (model, reference):
         m(x).square().sum().backward()
     for (name, ours), theirs in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=1e-5, msg=name)
+        # Two float32 sums in different orders: the gap scales with the largest gradient
+        # of the tensor, not with each element (a near-zero element can differ by more
+        # than 1e-5 relative when its neighbours are large).
+        atol = 1e-4 * float(theirs.grad.abs().max())
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-4, atol=atol, msg=name)
