@@ -5,6 +5,7 @@ Checked by structure, not golden IR: warp shuffles in the source and the PTX,
 candidate that says it uses them, no global scratch buffer beyond the function's
 own parameters, and 64-bit offsets once a tensor passes 2^31 elements."""
 
+import dataclasses
 import re
 
 import pytest
@@ -92,11 +93,17 @@ def test_int64_offsets_past_two_to_the_31():
                                           ((16, 14, 14, 32), "float16")])
 def test_channels_last_zeroes_every_partial_before_the_row_guard(shape, dtype):
     problem = tf.make_problem("bn_stats", shape, dtype, layout="NHWC")
-    kernel = build_kernel(problem, CUDA, "bn_stats_channels_last")
-    knobs = kernel.knobs
-    rows = problem.shape[0]
-    steps = -(-rows // (knobs.splits * knobs.rows))
-    assert knobs.splits * steps * knobs.rows - rows >= steps * knobs.rows, "the case must have an empty block"
+    cand, rows = registry.get("bn_stats_channels_last"), problem.shape[0]
+    knobs = cand.default_for(problem, CUDA)  # an even split now: more splits until a block owns no row
+
+    def empty_block(k):
+        per_step = k.splits * k.rows * k.unroll
+        steps = -(-rows // per_step)
+        return per_step * steps - rows >= steps * k.rows * k.unroll
+
+    knobs = next(k for k in (dataclasses.replace(knobs, splits=s) for s in range(knobs.splits, 4 * rows))
+                 if empty_block(k))
+    kernel = build_kernel(problem, CUDA, "bn_stats_channels_last", knobs)
     source = kernel.device_source()
     body = source[source.index("{", source.index("void __launch_bounds__", source.index("void __launch_bounds__") + 1)):]
     first_kernel = body[: body.index("extern \"C\"")]

@@ -9,8 +9,9 @@ value until the very end.
 Kernel 1, grid (splits, channel groups), block (channel lanes, rows)
 (``common.row_partials``, which also says why the partials are zeroed before the
 row loop):
-1. Rows are dealt out ``m = (s J + j) R + r``: block ``s`` owns a run of rows,
-   ``threadIdx.y = r`` takes every R-th, so the R rows in flight are contiguous.
+1. Rows are dealt out ``m = ((s J + j) R + r) U + b``: block ``s`` owns a run of rows,
+   ``threadIdx.y = r`` takes every R-th batch of U consecutive rows (``unroll``,
+   loaded together), so the R U rows of a step are contiguous.
    The partial index ``p = (s, r)`` is rfactored out (``moments_rf``, C x P float32
    pairs, channel-major so kernel 2 reads each channel's partials contiguously).
 2. ``threadIdx.x`` owns ``vector`` consecutive channels (one 16-byte load per row,

@@ -440,14 +440,36 @@ class ChannelsLastKnobs(Knobs):
     rows: int = 4  # threadIdx.y
     channel_lanes: int = 32  # threadIdx.x: channel vectors per block
     vector: int = 8
-    unroll: int = 4
+    unroll: int = 4  # rows a lane loads (16 bytes each) before it computes on them
+
+
+# Rows per (block, lane row, step) granule that an even split keeps whole: 8 steps of
+# 16 lane rows, so every rows knob (up to 16) and unroll knob (up to 8) divides it.
+EVEN_GRANULES = (128, 16)
+
+
+def even_splits(rows_total: int, wanted: int) -> int:
+    """The largest split count in ``[wanted / 2, wanted]`` that deals ``rows_total``
+    out in whole granules (:data:`EVEN_GRANULES`), else ``wanted``. An even split
+    leaves the row loop without a bounds guard, so nvcc hoists loop-invariant reads
+    (the shift ``K[c]``: at 528 splits of 64x56x56x256 it reloaded eight of them a
+    row) and the unrolled loads issue together."""
+    for granule in EVEN_GRANULES:
+        if rows_total % granule:
+            continue
+        units = rows_total // granule
+        for splits in range(min(wanted, units), max(1, wanted // 2) - 1, -1):
+            if units % splits == 0:
+                return splits
+    return wanted
 
 
 class ChannelsLastCandidate(Candidate):
     """The space of a CUDA candidate on the ``(M, C)`` view: grid (splits, channel
     groups), block (channel lanes, rows); ``threadIdx.x`` owns ``vector`` consecutive
     channels (``vector`` divides C: one 16-byte access a row), rows are dealt out
-    ``m = (s J + j) R + r`` (block ``s``, ``threadIdx.y = r``, step ``j``)."""
+    ``m = ((s J + j) R + r) U + b`` (block ``s``, ``threadIdx.y = r``, step ``j``, row
+    ``b`` of a lane's batch of ``unroll``)."""
 
     target_kind = "cuda"
     knobs = ChannelsLastKnobs
@@ -465,6 +487,7 @@ class ChannelsLastCandidate(Candidate):
         sms = sm_count(target)
         splits = [s for s in (sms // 4, sms // 2, sms, 2 * sms, 4 * sms)  # 33 .. 528 on 132 SMs
                   if s * max(rows, default=1) * 2 <= rows_total]
+        splits = sorted({even_splits(rows_total, s) for s in splits})  # 32 .. 392 on 64x56x56
         if rows_total < MIN_ROWS:  # one partial of all M rows (MIN_ROWS says why)
             splits, rows = [1], [1]
         elif not splits:  # few rows: fewer blocks, and two partials at least (one block)
@@ -488,20 +511,21 @@ class ChannelsLastCandidate(Candidate):
         rows = max(1, min(16, 256 // lanes, problem.shape[0] // 2))  # two steps at least
         groups = -(-problem.channels // (lanes * vector))
         splits = max(1, min(BLOCKS_PER_SM * sm_count(target) // groups, problem.shape[0] // (rows * 8) or 1))
+        splits = even_splits(problem.shape[0], splits)
         if splits * rows < 2:  # wide rows (256 lanes x 1 row): two blocks, two partials
             splits = 2
         return ChannelsLastKnobs(splits=splits, rows=rows, channel_lanes=lanes, vector=vector, unroll=4)
 
 
 def channels_last_grid(sch: s_tir.Schedule, run: LoopRV, lane_row: LoopRV, step: LoopRV, channel: LoopRV,
-                       knobs) -> LoopRV:
+                       knobs, batch: LoopRV | None = None) -> LoopRV:
     """Lay rows and channels out as :class:`ChannelsLastCandidate` says: ``run`` on
     ``blockIdx.x``, ``lane_row`` on ``threadIdx.y``, the channel loop split into groups
     (``blockIdx.y``) of ``channel_lanes`` lanes (``threadIdx.x``) of ``vector``
-    channels; a lane's row ``step`` loop and its vector innermost. Returns the lane
-    loop, where a thread's channels are fixed."""
+    channels; a lane's row ``step`` loop (then its ``batch`` of rows, when given) and
+    its vector innermost. Returns the lane loop, where a thread's channels are fixed."""
     group, lane, vec = sch.split(channel, [None, knobs.channel_lanes, knobs.vector])
-    sch.reorder(run, group, lane_row, lane, step, vec)
+    sch.reorder(run, group, lane_row, lane, step, *([batch] if batch is not None else []), vec)
     sch.bind(run, "blockIdx.x")
     sch.bind(group, "blockIdx.y")
     sch.bind(lane_row, "threadIdx.y")
@@ -513,7 +537,8 @@ def row_partials(sch: s_tir.Schedule, name: str, knobs, staged: tuple[str, ...],
     """Kernel 1 of a channels-last reduction: per-thread partials of the block ``name``
     (a reduction over M per channel), in a ``(C, P)`` float32 workspace.
 
-    1. Rows dealt out to (block ``s``, lane ``r``), the partial index ``p = (s, r)``
+    1. Rows dealt out to (block ``s``, lane ``r``) in batches of ``unroll``
+       consecutive rows, the partial index ``p = (s, r)``
        rfactored out (``<name>_rf``, channel-major so the finalize reads a channel's
        partials contiguously).
     2. ``threadIdx.x`` owns ``vector`` consecutive channels: the ``staged`` inputs come
@@ -521,7 +546,8 @@ def row_partials(sch: s_tir.Schedule, name: str, knobs, staged: tuple[str, ...],
        buffer: the backward's mean and invstd) once per thread; the sums stay in
        registers (``cache_write`` to ``local``) and are written once. The blocks in
        ``inline`` (the shift K[c]) are inlined after the stages, so their reads stay
-       apart.
+       apart. A lane loads ``unroll`` rows (16 bytes each) before it sums them
+       (:func:`batched_loads`).
     3. The accumulators are zeroed before the row loop (``decompose_reduction``), not
        under its bounds predicate: when ``splits * rows`` outruns the rows, the last
        blocks own no row at all, and an init that only ran with the first valid row
@@ -535,20 +561,21 @@ def row_partials(sch: s_tir.Schedule, name: str, knobs, staged: tuple[str, ...],
     for inlined in inline:
         sch.compute_inline(sch.get_sblock(inlined))
     channel, row = sch.get_loops(block)
-    run, step, lane_row = sch.split(row, [knobs.splits, None, knobs.rows])
-    sch.reorder(channel, run, lane_row, step)
+    # m = ((s J + j) R + r) U + b: a lane's batch of U rows is consecutive (as in
+    # channels_last_map), so each register stage's box is exactly its rows.
+    run, step, lane_row, batch = sch.split(row, [knobs.splits, None, knobs.rows, knobs.unroll])
+    sch.reorder(channel, run, lane_row, step, batch)
     partial = sch.rfactor(sch.fuse(run, lane_row), factor_axis=1)
     write_backs = [sch.cache_write(partial, index, "local") for index in range(len(sch.get(partial).writes))]
-    channel, p, step = sch.get_loops(partial)
+    channel, p, step, batch = sch.get_loops(partial)
     run, lane_row = sch.split(p, [knobs.splits, knobs.rows])
-    lane = channels_last_grid(sch, run, lane_row, step, channel, knobs)
+    lane = channels_last_grid(sch, run, lane_row, step, channel, knobs, batch)
     for write_back in write_backs:
         sch.reverse_compute_at(write_back, lane)
     registers_per_thread(sch, partial, lane)
     for stage in stages:
-        sch.compute_at(stage, step, preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(stage)[-1])
-    unroll(sch, step, knobs.unroll)
+        batched_loads(sch, stage, step)
+    sch.unroll(batch)
     sch.decompose_reduction(partial, step)  # zero every partial, rows or not
 
 
@@ -580,22 +607,40 @@ def channels_last_map(sch: s_tir.Schedule, name: str, knobs, staged: tuple[str, 
     registers for its channels; every other per-channel value the map reads (a (C,)
     buffer: the finalize's coefficients, weight, bias, mean) is loaded into registers
     once per thread. Per row the ``staged`` inputs come in with one 16-byte load each
-    and the result goes out with one 16-byte store."""
+    (``unroll`` rows of them before the arithmetic, :func:`batched_loads`) and the
+    result goes out with one 16-byte store."""
     block = sch.get_sblock(name)
     row, channel = sch.get_loops(block)
-    run, step, lane_row = sch.split(row, [knobs.splits, None, knobs.rows])
-    lane = channels_last_grid(sch, run, lane_row, step, channel, knobs)
-    unroll(sch, step, knobs.unroll)
+    # A lane's batch is ``unroll`` consecutive rows, m = ((s J + j) R + r) U + b, so the
+    # register stage's box is exactly them (rows R apart would box (U - 1) R + 1 rows).
+    run, step, lane_row, batch = sch.split(row, [knobs.splits, None, knobs.rows, knobs.unroll])
+    lane = channels_last_grid(sch, run, lane_row, step, channel, knobs, batch)
     for producer in computed:
         coefficient = sch.get_sblock(producer)
         sch.compute_at(coefficient, lane, preserve_unit_loops=True)
         outputs_to(sch, coefficient, "local")
     registers_per_thread(sch, block, lane)
     for source in staged:
-        stage_in_registers(sch, block, source, step)
+        stage = sch.cache_read(block, read_index(sch, block, source), "local", consumer_blocks=[block])
+        batched_loads(sch, stage, step)
     out = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(out, step, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(out)[-1])
+    *_, out_batch, out_vec = sch.get_loops(out)
+    sch.vectorize(out_vec)
+    sch.unroll(out_batch)
+    sch.unroll(batch)
+
+
+def batched_loads(sch: s_tir.Schedule, stage: SBlockRV, step: LoopRV) -> None:
+    """The register stage ``stage`` moved to ``step``, the loop over a lane's batches
+    of ``unroll`` rows: its ``unroll`` 16-byte loads (one a row, vectorized over the
+    lane's channels, the row loop unrolled) are issued together, before the
+    arithmetic on them. With one load a step, as before, a lane had 16 bytes in flight
+    and 4 blocks of 256 lanes an SM 16 KB, under what HBM's latency asks for."""
+    sch.compute_at(stage, step, preserve_unit_loops=True)
+    *_, rows, vec = sch.get_loops(stage)
+    sch.vectorize(vec)
+    sch.unroll(rows)
 
 
 def registers_per_thread(sch: s_tir.Schedule, block: SBlockRV, lane: LoopRV) -> None:
