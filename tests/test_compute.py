@@ -69,3 +69,49 @@ def test_ce_decompositions(algorithm, reduction, weighted, smoothing):
     ref = ce_ref.reference(logits, target, weight, -100, reduction, smoothing)
     assert_close(loss.reshape(ref.shape), ref, 1e-5, 1e-5, f"{algorithm} loss")
     assert first_bad[0] == batch
+
+
+BN_TRAIN_SHAPES = [((3, 4, 5, 6), "NCHW"), ((2, 5, 3, 4), "NHWC"), ((7, 3), "NCHW"), ((2, 3, 11), "NCHW")]
+
+
+@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS["bn_forward"] if a != "running"])
+@pytest.mark.parametrize("shape, layout", BN_TRAIN_SHAPES)
+def test_bn_forward_training_decompositions(algorithm, shape, layout):
+    """Every training decomposition of the forward, ``shifted_reread``'s backwards sums
+    included, gives the float64 outputs."""
+    from tvm_fusion.contracts import bn_forward as ref
+    from tvm_fusion.contracts.bn_forward import bn_forward_problem
+
+    gen = rng()
+    problem = bn_forward_problem(shape, "float32", layout)
+    x = random_floats(gen, shape, "float32", loc=0.5, scale=2.0)
+    c = problem.channels
+    weight, bias = gen.standard_normal(c).astype("float32"), gen.standard_normal(c).astype("float32")
+    running_mean, running_var = gen.standard_normal(c).astype("float32"), (gen.random(c) + 0.5).astype("float32")
+    momentum = np.array(0.2, "float32")
+    outs = run_unscheduled(prim_func(problem, algorithm), [x, weight, bias, running_mean, running_var, momentum])
+    want = ref.reference(x, weight, bias, running_mean, running_var, 0.2, problem)
+    names = ["y", "save_mean", "save_invstd", "running_mean_out", "running_var_out"]
+    tol = TOLERANCES["float32"]
+    for name, got in zip(names, outs):
+        assert_close(got.reshape(want[name].shape), want[name], tol["rtol"], tol["atol"], name)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS["bn_backward"])
+@pytest.mark.parametrize("shape, layout", BN_TRAIN_SHAPES)
+def test_bn_backward_decompositions(algorithm, shape, layout):
+    from tvm_fusion.contracts import bn_backward as ref
+    from tvm_fusion.contracts.bn_backward import bn_backward_problem
+
+    gen = rng()
+    problem = bn_backward_problem(shape, "float32", layout, True, True)
+    x = random_floats(gen, shape, "float32", loc=0.5, scale=2.0)
+    dy = random_floats(gen, shape, "float32")
+    c = problem.channels
+    mean, invstd = gen.standard_normal(c).astype("float32"), (gen.random(c) + 0.5).astype("float32")
+    weight = gen.standard_normal(c).astype("float32")
+    dx, dweight, dbias = run_unscheduled(prim_func(problem, algorithm), [x, dy, mean, invstd, weight])
+    want = ref.reference(x, dy, mean, invstd, weight, layout, True)
+    tol = TOLERANCES["float32"]
+    for name, got, expected in zip(("dx", "dweight", "dbias"), (dx, dweight, dbias), want):
+        assert_close(got.reshape(expected.shape), expected, tol["rtol"], tol["atol"], name)
