@@ -6,6 +6,7 @@ tried when there is no tuning record: most specific first, fallback last.
 """
 
 from .cpu import (  # noqa: F401
+    bn_backward_dx_parallel,
     bn_backward_parallel,
     bn_forward_parallel,
     bn_stats_parallel,
@@ -16,6 +17,8 @@ from .cpu import (  # noqa: F401
 from .cuda import (  # noqa: F401
     bn_backward_block_per_channel,
     bn_backward_channels_last,
+    bn_backward_dx_block_per_channel,
+    bn_backward_dx_channels_last,
     bn_backward_persistent,
     bn_backward_split_plane,
     bn_forward_block_per_channel,
@@ -66,6 +69,9 @@ DISPATCH_ORDER = {
     ("bn_backward", "llvm"): [
         "bn_backward_parallel",
     ],
+    ("bn_backward_dx", "llvm"): [
+        "bn_backward_dx_parallel",
+    ],
     ("bn_forward", "llvm"): [
         "bn_forward_parallel",
         "bn_forward_eval_parallel",
@@ -76,6 +82,11 @@ DISPATCH_ORDER = {
         "bn_backward_channels_last",
         "bn_backward_split_plane",
         "bn_backward_block_per_channel",
+    ],
+    # SyncBatchNorm's dx: one candidate per view.
+    ("bn_backward_dx", "cuda"): [
+        "bn_backward_dx_channels_last",
+        "bn_backward_dx_block_per_channel",
     ],
     ("bn_forward", "cuda"): [
         "bn_forward_persistent",

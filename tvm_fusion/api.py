@@ -16,6 +16,7 @@ from . import arrays, records, target_check, targets
 from .arrays import signature
 from .contracts import (
     TargetOutOfRangeError,
+    bn_backward_dx_problem,
     bn_backward_problem,
     bn_forward_problem,
     bn_stats_problem,
@@ -28,8 +29,8 @@ from .kernel import Kernel
 
 OPS = ("bn_stats", "cross_entropy")  # the calls
 # What build, tune, explain and the CLI's tune/build/show take: the calls' kernels and
-# the cross entropy gradient's (tvm_fusion.torch launches those).
-KERNEL_OPS = OPS + ("cross_entropy_grad", "bn_forward", "bn_backward")
+# the cross entropy gradient's and BatchNorm's (tvm_fusion.torch launches those).
+KERNEL_OPS = OPS + ("cross_entropy_grad", "bn_forward", "bn_backward", "bn_backward_dx")
 
 # The hot path: a launcher per call signature (every argument's kind, shape, dtype,
 # device and layout, and the options), built once after the contract's checks.
@@ -255,6 +256,7 @@ CHANNEL_OPS = {
     "bn_forward": (bn_forward_problem, {"layout": "NCHW", "affine": True, "training": True, "track_running": True,
                                         "eps": 1e-5}),
     "bn_backward": (bn_backward_problem, {"layout": "NCHW", "affine": True, "training": True}),
+    "bn_backward_dx": (bn_backward_dx_problem, {"layout": "NCHW", "affine": True}),
 }
 
 

@@ -81,7 +81,7 @@ def _problem(op: str, shape: tuple[int, ...], dtype: str, args: argparse.Namespa
     from .api import make_problem
 
     options = _options(args)
-    if op in ("bn_stats", "bn_backward", "bn_forward"):
+    if op in ("bn_stats", "bn_backward", "bn_backward_dx", "bn_forward"):
         options = {k: v for k, v in options.items() if k == "layout"}
     else:
         options.pop("layout", None)
@@ -212,6 +212,29 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_syncbn_cost(args: argparse.Namespace) -> int:
+    from .torch import sync_cost
+
+    if args.world_size < 1:
+        raise UsageError(f"--world-size must be positive, got {args.world_size}")
+    try:
+        layers = ([(f"bn{i}", c) for i, c in enumerate(parse_shape(args.channels))] if args.channels
+                  else sync_cost.model_layers(args.model, args.width))
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    costs, source = sync_cost.DEFAULT_COSTS, sync_cost.DEFAULT_SOURCE
+    if args.fit:
+        backend = args.backend or sync_cost.default_backend()
+        fit_world = args.fit_world_size or min(args.world_size, sync_cost.local_ranks(backend))
+        costs, found = sync_cost.measure_on_host(fit_world, backend)
+        source = f"fitted on {fit_world} {backend} processes on this host"
+        print(f"{source}:")
+        for kind, pairs in found.items():
+            print(f"  {kind}: " + ", ".join(f"{b} B {s * 1e6:.1f} us" for b, s in pairs))
+    print(sync_cost.table(sync_cost.predict(layers, args.world_size, costs), args.world_size, costs, source))
+    return 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from . import registry
     from .compute import prim_func
@@ -308,8 +331,22 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_relax(sub)
 
+    cost = sub.add_parser("syncbn-cost", help="SyncBatchNorm's collectives per training step: bytes and time per layer")
+    cost.add_argument("--model", default="resnet-small", help="a built-in model: resnet-small (default)")
+    cost.add_argument("--width", type=int, default=64, help="resnet-small's channels (default 64)")
+    cost.add_argument("--channels", help="BatchNorm layers' channels instead of a model, e.g. 64x128x256")
+    cost.add_argument("--world-size", dest="world_size", type=int, default=8, help="ranks to predict for (default 8)")
+    cost.add_argument("--fit", action="store_true",
+                      help="time all_gather and all_reduce in processes spawned on this host and fit the model "
+                      "(default: the stored Gloo fit)")
+    cost.add_argument("--fit-world-size", dest="fit_world_size", type=int,
+                      help="processes for --fit (default: the world size, at most one a GPU or a core)")
+    cost.add_argument("--backend", choices=["gloo", "nccl"], help="for --fit (default: nccl with CUDA GPUs, else gloo)")
+    cost.set_defaults(func=cmd_syncbn_cost)
+
     show = sub.add_parser("show", help="print contract, TE compute, scheduled TIR, trace and source")
-    show.add_argument("op", help="bn_stats, cross_entropy, cross_entropy_grad, bn_forward or bn_backward")
+    show.add_argument("op", help="bn_stats, cross_entropy, cross_entropy_grad, bn_forward, bn_backward or "
+                      "bn_backward_dx")
     show.add_argument("shape", help="e.g. 64x256x56x56")
     show.add_argument("--dtype", default="float16")
     show.add_argument("--target", default="cuda", help="cuda, llvm or a JSON target dict")

@@ -30,8 +30,8 @@ KNOB_ANNOTATION = "tvm_fusion.knob."
 # The block that carries those annotations: one every decomposition of the operator
 # has. Not the root block: annotating it makes a later split edit the original
 # module in place (TVM 0.27), which breaks MetaSchedule's trace replays.
-ANNOTATED_BLOCK = {"bn_stats": "mean", "bn_backward": "dx", "bn_forward": "y", "cross_entropy": "first_bad_row",
-                   "cross_entropy_grad": "dlogits"}
+ANNOTATED_BLOCK = {"bn_stats": "mean", "bn_backward": "dx", "bn_backward_dx": "dx", "bn_forward": "y",
+                   "cross_entropy": "first_bad_row", "cross_entropy_grad": "dlogits"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,10 +7,13 @@ import json
 from tvm import te, tirx
 
 from ..contracts import (
-    BNBackwardProblem, BNForwardProblem, BNStatsProblem, CrossEntropyGradProblem, CrossEntropyProblem, Problem,
+    BNBackwardDxProblem, BNBackwardProblem, BNForwardProblem, BNStatsProblem, CrossEntropyGradProblem,
+    CrossEntropyProblem, Problem,
 )
 from .bn_backward import ALGORITHMS as BN_BACKWARD_ALGORITHMS
 from .bn_backward import bn_backward_te
+from .bn_backward_dx import ALGORITHMS as BN_BACKWARD_DX_ALGORITHMS
+from .bn_backward_dx import bn_backward_dx_te
 from .bn_forward import ALGORITHMS as BN_FORWARD_ALGORITHMS
 from .bn_forward import bn_forward_te
 from .bn_forward import default_algorithm as bn_forward_default
@@ -22,9 +25,11 @@ from .cross_entropy_grad import ALGORITHMS as CE_GRAD_ALGORITHMS
 from .cross_entropy_grad import DEFAULT_FOR_MODE, MODE_OF, cross_entropy_grad_te
 
 ALGORITHMS = {"bn_stats": BN_ALGORITHMS, "bn_backward": BN_BACKWARD_ALGORITHMS, "bn_forward": BN_FORWARD_ALGORITHMS,
+              "bn_backward_dx": BN_BACKWARD_DX_ALGORITHMS,
               "cross_entropy": CE_ALGORITHMS, "cross_entropy_grad": CE_GRAD_ALGORITHMS}
 # cross_entropy_grad's default depends on the problem's mode (DEFAULT_FOR_MODE): see default_algorithm.
-DEFAULT_ALGORITHM = {"bn_stats": "shifted", "bn_backward": "dual_reduce", "cross_entropy": "three_pass"}
+DEFAULT_ALGORITHM = {"bn_stats": "shifted", "bn_backward": "dual_reduce", "bn_backward_dx": "map",
+                     "cross_entropy": "three_pass"}
 
 
 def default_algorithm(problem: Problem) -> str:
@@ -50,6 +55,8 @@ def te_tensors(problem: Problem, algorithm: str | None = None) -> list[te.Tensor
         return bn_stats_te(problem, algorithm)
     if isinstance(problem, BNBackwardProblem):
         return bn_backward_te(problem, algorithm)
+    if isinstance(problem, BNBackwardDxProblem):
+        return bn_backward_dx_te(problem, algorithm)
     if isinstance(problem, BNForwardProblem):
         return bn_forward_te(problem, algorithm)
     if isinstance(problem, CrossEntropyProblem):
@@ -81,7 +88,7 @@ def problem_to_json(problem: Problem) -> str:
     fields = {k: v for k, v in problem.__dict__.items()}
     if fields.get("in_place") is False:  # the out-of-place gradient's JSON (and records) as before
         del fields["in_place"]
-    if isinstance(problem, (BNStatsProblem, BNBackwardProblem, BNForwardProblem)):
+    if isinstance(problem, (BNStatsProblem, BNBackwardProblem, BNBackwardDxProblem, BNForwardProblem)):
         fields["shape"] = list(problem.shape)
         fields["input_shape"] = list(problem.input_shape)
     return json.dumps({"op": problem.op, **fields}, sort_keys=True)
@@ -90,10 +97,11 @@ def problem_to_json(problem: Problem) -> str:
 def problem_from_json(text: str) -> Problem:
     fields = json.loads(text)
     op = fields.pop("op")
-    if op in ("bn_stats", "bn_backward", "bn_forward"):
+    if op in ("bn_stats", "bn_backward", "bn_backward_dx", "bn_forward"):
         fields["shape"] = tuple(fields["shape"])
         fields["input_shape"] = tuple(fields["input_shape"])
-        kind = {"bn_stats": BNStatsProblem, "bn_backward": BNBackwardProblem, "bn_forward": BNForwardProblem}[op]
+        kind = {"bn_stats": BNStatsProblem, "bn_backward": BNBackwardProblem, "bn_backward_dx": BNBackwardDxProblem,
+                "bn_forward": BNForwardProblem}[op]
         return kind(**fields)
     if op == "cross_entropy_grad":
         return CrossEntropyGradProblem(**fields)
