@@ -77,8 +77,7 @@ BN_TRAIN_SHAPES = [((3, 4, 5, 6), "NCHW"), ((2, 5, 3, 4), "NHWC"), ((7, 3), "NCH
 @pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS["bn_forward"] if a != "running"])
 @pytest.mark.parametrize("shape, layout", BN_TRAIN_SHAPES)
 def test_bn_forward_training_decompositions(algorithm, shape, layout):
-    """Every training decomposition of the forward, ``shifted_reread``'s backwards sums
-    included, gives the float64 outputs."""
+    """Every training decomposition of the forward gives the float64 outputs."""
     from tvm_fusion.contracts import bn_forward as ref
     from tvm_fusion.contracts.bn_forward import bn_forward_problem
 

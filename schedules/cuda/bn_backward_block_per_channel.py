@@ -36,7 +36,7 @@ from .common import ChannelBlockCandidate, plane_map
 class BNBackwardBlockPerChannel(ChannelBlockCandidate):
     name = "bn_backward_block_per_channel"
     op = "bn_backward"
-    algorithm = "dual_reduce_reread"  # the map reads x and dy again (compute.bn_backward)
+    algorithm = "dual_reduce"
 
     def applies(self, problem: BNBackwardProblem) -> bool:
         return problem.op == self.op and not problem.channels_last

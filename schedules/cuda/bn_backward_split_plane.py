@@ -55,7 +55,7 @@ from .common import SplitPlaneMapCandidate, finalize_channels, plane_splits, spl
 class BNBackwardSplitPlane(SplitPlaneMapCandidate):
     name = "bn_backward_split_plane"
     op = "bn_backward"
-    algorithm = "dual_reduce_reread"  # the map reads x and dy again (compute.bn_backward)
+    algorithm = "dual_reduce"
 
     def applies(self, problem: BNBackwardProblem) -> bool:
         return problem.op == self.op and not problem.channels_last and bool(plane_splits(problem))

@@ -66,7 +66,7 @@ class _ForwardBlockPerChannel(ChannelBlockCandidate):
 @register
 class BNForwardBlockPerChannel(_ForwardBlockPerChannel):
     name = "bn_forward_block_per_channel"
-    algorithm = "shifted_reread"  # the map reads x again (compute.bn_forward)
+    algorithm = "shifted"
 
     def applies(self, problem: BNForwardProblem) -> bool:
         return problem.op == self.op and problem.training and not problem.channels_last

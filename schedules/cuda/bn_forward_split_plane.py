@@ -60,7 +60,7 @@ from .common import SplitPlaneMapCandidate, finalize_channels, plane_splits, spl
 class BNForwardSplitPlane(SplitPlaneMapCandidate):
     name = "bn_forward_split_plane"
     op = "bn_forward"
-    algorithm = "shifted_reread"  # the map reads x again (compute.bn_forward)
+    algorithm = "shifted"
 
     def applies(self, problem: BNForwardProblem) -> bool:
         return (problem.op == self.op and problem.training and not problem.channels_last

@@ -13,10 +13,6 @@
 4. ``dx``: the map ``scale * (dy - mean_term - xhat * xhat_term)``, in x's dtype
    (a second read of x and dy, unless a schedule keeps them on chip).
 
-``dual_reduce_reread``  the same, the sums reading x's and dy's outer axis (N, or M)
-from its end: for kernels whose map reads them from memory again, from its start,
-which then finds the rows the sums read last in L2.
-
 Block names are what schedules refer to.
 """
 
@@ -25,9 +21,9 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from ..contracts.bn_backward import BNBackwardProblem
-from .primitives import DUAL_SUM, backwards_axis, dims, index_dtype, widen
+from .primitives import DUAL_SUM, dims, index_dtype, widen
 
-ALGORITHMS = ("dual_reduce", "dual_reduce_reread")
+ALGORITHMS = ("dual_reduce",)
 F32 = "float32"
 
 
@@ -50,16 +46,12 @@ def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -
     weight = te.placeholder(channels, F32, name="weight") if problem.affine else None
     count = float(problem.count)
 
-    # dual_reduce_reread, for kernels whose dx map reads x and dy from memory again:
-    # the sums read the outer axis from its end, the map from its start, so the map's
-    # first blocks find them in L2 (bn_stats.statistics says more).
-    outer = backwards_axis(shape[0]) if algorithm == "dual_reduce_reread" else (lambda i: i)
     if problem.channels_last:
         m = te.reduce_axis((tirx.IntImm(idx, 0), shape[0]), name="m")
         axes = [m]
 
         def at(c):
-            return (outer(m), c)
+            return (m, c)
 
         def channel_of(*index):
             return index[1]
@@ -69,7 +61,7 @@ def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -
         axes = [n, l]
 
         def at(c):
-            return (outer(n), c, l)
+            return (n, c, l)
 
         def channel_of(*index):
             return index[1]

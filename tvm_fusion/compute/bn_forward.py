@@ -12,9 +12,6 @@ name gives ``mean`` and ``var`` per channel, then
    ``x * bn_scale`` is large and its rounding stays in ``y`` (x = 1000 + 0.02 z in
    float32 put ``y`` 6.5e-3 off), while ``x - mean`` is exact there.
 
-``shifted_reread`` (training): ``shifted`` with the sums reading x's outer axis (N,
-or M) from its end, for kernels whose map reads x from memory again, from its start:
-the statistics' last blocks leave in L2 the rows the map's first blocks read.
 ``running`` (eval): the same map, ``mean`` and ``var`` read from the running
 statistics (no reduction).
 
@@ -29,7 +26,7 @@ from ..contracts.bn_forward import BNForwardProblem
 from .bn_stats import statistics
 from .primitives import dims, index_dtype, widen
 
-ALGORITHMS = ("shifted", "shifted_sampled", "shifted_reread", "running")
+ALGORITHMS = ("shifted", "shifted_sampled", "running")
 F32 = "float32"
 
 
@@ -43,7 +40,7 @@ def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> li
     (training: "shifted" by default; eval: "running")."""
     algorithm = algorithm or default_algorithm(problem)
     if algorithm not in ALGORITHMS or (algorithm == "running") == problem.training:
-        wanted = "shifted, shifted_sampled or shifted_reread" if problem.training else "running"
+        wanted = "shifted or shifted_sampled" if problem.training else "running"
         raise ValueError(f"bn_forward: {'training' if problem.training else 'eval'} takes algorithm {wanted}, "
                          f"got {algorithm!r}")
     idx = index_dtype(problem.numel)
@@ -64,8 +61,7 @@ def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> li
         params.append(momentum)
 
     if problem.training:
-        reread = algorithm == "shifted_reread"  # the map reads x again: the sums read it backwards
-        mean, var = statistics(problem, x, "shifted" if reread else algorithm, backwards=reread)
+        mean, var = statistics(problem, x, algorithm)
     else:
         mean, var = running_mean, running_var
     eps = tirx.const(problem.eps, F32)

@@ -23,7 +23,7 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from ..contracts.bn_stats import BNStatsProblem
-from .primitives import DUAL_SUM, backwards_axis, dims, index_dtype, widen
+from .primitives import DUAL_SUM, dims, index_dtype, widen
 
 ALGORITHMS = ("shifted", "shifted_sampled", "one_pass")
 SHIFT_SAMPLES = 64
@@ -37,25 +37,19 @@ def bn_stats_te(problem: BNStatsProblem, algorithm: str = "shifted") -> list[te.
     return [x, *statistics(problem, x, algorithm)]
 
 
-def statistics(problem, x: te.Tensor, algorithm: str, backwards: bool = False) -> tuple[te.Tensor, te.Tensor]:
+def statistics(problem, x: te.Tensor, algorithm: str) -> tuple[te.Tensor, te.Tensor]:
     """``(mean, var)`` of ``x`` per channel: the stages above, for any problem with the
-    canonical view (``shape``, ``channels_last``, ``channels``, ``count``) and a dtype.
-
-    ``backwards``: the sums read x's outer axis (M, or N) from its end, for a map that
-    reads x again from its start (BatchNorm's forward): the statistics kernel's last
-    blocks then read the rows the map's first blocks read, so those come from L2
-    (the sum is the same, in another order)."""
+    canonical view (``shape``, ``channels_last``, ``channels``, ``count``) and a dtype."""
     idx = index_dtype(problem.numel)
     shift = None
     channels = dims([problem.channels], idx)
     count = float(problem.count)
-    outer = backwards_axis(x.shape[0]) if backwards else (lambda i: i)
 
     if problem.channels_last:
         m = te.reduce_axis((tirx.IntImm(idx, 0), x.shape[0]), name="m")
 
         def value(c):
-            return widen(x[outer(m), c], problem.dtype)
+            return widen(x[m, c], problem.dtype)
 
         def first(c):
             return widen(x[tirx.IntImm(idx, 0), c], problem.dtype)
@@ -71,7 +65,7 @@ def statistics(problem, x: te.Tensor, algorithm: str, backwards: bool = False) -
         l = te.reduce_axis((tirx.IntImm(idx, 0), x.shape[2]), name="l")
 
         def value(c):
-            return widen(x[outer(n), c, l], problem.dtype)
+            return widen(x[n, c, l], problem.dtype)
 
         def first(c):
             zero = tirx.IntImm(idx, 0)

@@ -171,10 +171,3 @@ def poly_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
 
 def logsumexp(row_max: tirx.PrimExpr, row_sumexp: tirx.PrimExpr) -> tirx.PrimExpr:
     return te.log(row_sumexp) + row_max
-
-
-def backwards_axis(extent):
-    """``i -> extent - 1 - i``: an axis read from its end. A reduction that reads x
-    before a map reads it again does so backwards, so that the rows it reads last
-    (still in L2) are the map's first (bn_stats.statistics)."""
-    return lambda i: extent - 1 - i
