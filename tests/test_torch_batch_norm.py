@@ -417,11 +417,16 @@ def test_a_patched_training_step_replays_in_a_cuda_graph():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_patch_trains_torchvisions_resnet18_as_torch_does(device):
-    """The issue's second model, where torchvision is installed (it is on neither the
-    CI machine nor the H200 host so far, so this bound is not calibrated yet: 1e-3
-    relative, ten times the small ResNet's)."""
+def test_patch_trains_torchvisions_resnet18_as_torch_does(device, monkeypatch):
+    """The issue's second model, where torchvision is installed (the H200 host has it,
+    the CI machine not): 20 SGD steps, the loss curves within 1e-3 relative or 1e-4 of
+    the first loss (H200, float32 convolutions: 5.3e-5 at most)."""
     torchvision = pytest.importorskip("torchvision")
+    # TF32 convolutions (torch's CUDA default) round to 10 bits: a 1e-6 gap between two
+    # BatchNorms' outputs grew to 2e-2 by layer4 and 30% in conv gradients on the H200;
+    # with float32 convolutions the step-0 gradients agreed to 1.7e-5.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     seeded()
     model = torchvision.models.resnet18(num_classes=10).to(device)
     reference = copy.deepcopy(model)
@@ -439,7 +444,9 @@ def test_patch_trains_torchvisions_resnet18_as_torch_does(device):
             opt.step()
             curve.append(float(loss.detach()))
         curves.append(torch.tensor(curve))
-    torch.testing.assert_close(curves[0], curves[1], rtol=1e-3, atol=1e-5)
+    # The 8 images are fitted: the loss falls toward 0, where a relative bound means
+    # nothing; the gaps are bounded by 1e-4 of the first loss (H200: 5.3e-5 of 2.53).
+    torch.testing.assert_close(curves[0], curves[1], rtol=1e-3, atol=1e-4 * float(curves[1][0]))
     assert curves[1][-1] < 0.5 * curves[1][0]
 
 
