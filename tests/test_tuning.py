@@ -246,3 +246,30 @@ def test_the_gradient_is_tuned_and_dispatched_like_the_forward(tmp_path):
                                 "--mode", "from_lse"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "cross_entropy_grad (from_lse)" in out.stdout and "LLVM IR" in out.stdout
+
+
+# A CUDA target with what MetaSchedule's postprocs read (resolve() fills these on a GPU).
+SM90 = tvm.target.Target({"kind": "cuda", "arch": "sm_90", "max_threads_per_block": 1024,
+                          "max_shared_memory_per_block": 49152, "thread_warp_size": 32, "max_num_threads": 1024})
+
+
+@pytest.mark.parametrize("op, shape", [("bn_forward", (64, 256, 56, 56)), ("bn_backward", (64, 256, 56, 56)),
+                                       ("bn_forward", (64, 56, 56, 256)), ("cross_entropy", (4096, 32000))])
+def test_every_cuda_task_takes_only_its_candidates_postprocs(op, shape):
+    """A task of several candidates (a SpaceGeneratorUnion) used to take the target's
+    postprocs, whose RewriteUnboundBlock raised on BatchNorm's finalize block (bound to
+    blockIdx alone): tuning bn_forward and bn_backward failed on the H200 before the
+    first trial. Now every task's postprocs are VerifyGPUCode alone, and each design
+    space goes through them without an error."""
+    from tvm_fusion.tuner import tasks_for
+
+    layout = "NHWC" if op.startswith("bn") and shape[-1] == 256 else None
+    problem = tf.make_problem(op, shape, "float16", **({"layout": layout} if layout else {}))
+    contexts = tasks_for(problem, SM90)
+    assert contexts
+    for ctx in contexts:
+        generator = ctx.space_generator
+        assert [type(p).__name__ for p in generator.postprocs] == ["VerifyGPUCode"], ctx.task_name
+        for sch in generator.generate_design_space(ctx.mod):
+            for postproc in generator.postprocs:
+                postproc.apply(sch)  # True or False (too many threads, say), never an error

@@ -149,7 +149,12 @@ def tasks_for(problem: Problem, target: Target) -> list[ms.TuneContext]:
             )
             for cand in cands
         ]
-        space = spaces[0] if len(spaces) == 1 else ms.space_generator.SpaceGeneratorUnion(spaces)
+        # The union takes the candidates' own (empty) rules and postprocs too: by default
+        # it adds the target's, whose RewriteUnboundBlock stops on a block bound to
+        # blockIdx alone (BatchNorm's per-channel finalize), so no bn_forward or
+        # bn_backward task with two candidates could be tuned.
+        space = spaces[0] if len(spaces) == 1 else ms.space_generator.SpaceGeneratorUnion(
+            spaces, sch_rules=[], postprocs=postprocs, mutator_probs={})
         contexts.append(
             ms.TuneContext(
                 tvm.IRModule({"main": prim_func(problem, algorithm)}),
