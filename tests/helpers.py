@@ -213,3 +213,23 @@ def check_threads_decisions_replay(candidate, problem, target) -> None:
             executable = tvm.compile(compiled_form(sch.mod, problem), target=target)
         source = "\n".join(m.inspect_source() for m in executable.mod.imports)
         assert f"__launch_bounds__({count})" in source
+
+
+def _channels_last(t):
+    import torch
+
+    return t.to(memory_format=torch.channels_last)
+
+
+# The input forms a BatchNorm test runs, from a (N, C, H, W) tensor: NCHW and
+# channels-last (the two 4-D memory formats torch trains with, (N, C, L) and (M, C)
+# kernels), (N, C) and (N, C, L) (BatchNorm1d), 5-D (reduced to (N, C, D*H*W)), and a
+# transposed view (odd strides: copied first).
+BN_LAYOUTS = {
+    "nchw": lambda t: t,
+    "channels-last": _channels_last,
+    "nc": lambda t: t.reshape(t.shape[0] * t.shape[2], t.shape[1] * t.shape[3]),
+    "ncl": lambda t: t.reshape(t.shape[0], t.shape[1], -1),
+    "ncdhw": lambda t: t.reshape(t.shape[0], t.shape[1], 1, t.shape[2], t.shape[3]),
+    "transposed": lambda t: t.transpose(2, 3),
+}

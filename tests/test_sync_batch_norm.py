@@ -16,7 +16,7 @@ import math
 
 import pytest
 
-from helpers import has_gpu, on_gpu, rng, torch_or_none
+from helpers import BN_LAYOUTS, has_gpu, on_gpu, rng, torch_or_none
 
 torch = torch_or_none()
 pytestmark = pytest.mark.skipif(torch is None, reason="needs torch")
@@ -225,14 +225,7 @@ def group_of_one(tmp_path, request):
     dist.destroy_process_group()
 
 
-LAYOUTS = {  # why: the two 4-D memory formats, BatchNorm1d's forms, 5-D, odd strides (copied first)
-    "nchw": lambda t: t,
-    "channels-last": lambda t: t.to(memory_format=torch.channels_last),
-    "nc": lambda t: t.reshape(t.shape[0] * t.shape[2], t.shape[1] * t.shape[3]),
-    "ncl": lambda t: t.reshape(t.shape[0], t.shape[1], -1),
-    "ncdhw": lambda t: t.reshape(t.shape[0], t.shape[1], 1, t.shape[2], t.shape[3]),
-    "transposed": lambda t: t.transpose(2, 3),
-}
+LAYOUTS = BN_LAYOUTS
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=GPU)])

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from helpers import has_gpu, rng, torch_or_none
+from helpers import BN_LAYOUTS, has_gpu, rng, torch_or_none
 
 torch = torch_or_none()
 pytestmark = pytest.mark.skipif(torch is None, reason="needs torch")
@@ -37,17 +37,7 @@ MODES = {
     "eval": (False, "both", True, 0.1),
     "eval-plain": (False, "none", True, 0.1),
 }
-# Why each layout: NCHW and channels-last (the two 4-D memory formats torch trains
-# with, (N, C, L) and (M, C) kernels), (N, C) and (N, C, L) (BatchNorm1d), 5-D
-# (reduced to (N, C, D*H*W)), and a transposed view (odd strides: copied first).
-LAYOUTS = {
-    "nchw": lambda t: t,
-    "channels-last": lambda t: t.to(memory_format=torch.channels_last),
-    "nc": lambda t: t.reshape(t.shape[0] * t.shape[2], t.shape[1] * t.shape[3]),
-    "ncl": lambda t: t.reshape(t.shape[0], t.shape[1], -1),
-    "ncdhw": lambda t: t.reshape(t.shape[0], t.shape[1], 1, t.shape[2], t.shape[3]),
-    "transposed": lambda t: t.transpose(2, 3),
-}
+LAYOUTS = BN_LAYOUTS
 
 
 def seeded():

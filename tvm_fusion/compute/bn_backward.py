@@ -32,10 +32,10 @@ def dx_coefficients(problem: BNBackwardProblem) -> list[str]:
     return ["bn_dx_scale"] + (["bn_dx_mean", "bn_dx_xhat"] if problem.training else [])
 
 
-def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -> list[te.Tensor]:
-    """TE tensors ``[x, dy, mean, invstd, (weight,) dx, dweight, dbias]``."""
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"bn_backward: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+def backward_inputs(problem) -> tuple:
+    """``(shape, channels, x, dy, mean, invstd, weight or None)``: the placeholders every
+    BatchNorm backward reads (``bn_backward``'s and ``bn_backward_dx``'s), on the
+    problem's canonical view."""
     idx = index_dtype(problem.numel)
     shape = dims(problem.shape, idx)
     channels = dims([problem.channels], idx)
@@ -44,6 +44,15 @@ def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -
     mean = te.placeholder(channels, F32, name="mean")
     invstd = te.placeholder(channels, F32, name="invstd")
     weight = te.placeholder(channels, F32, name="weight") if problem.affine else None
+    return shape, channels, x, dy, mean, invstd, weight
+
+
+def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -> list[te.Tensor]:
+    """TE tensors ``[x, dy, mean, invstd, (weight,) dx, dweight, dbias]``."""
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"bn_backward: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+    shape, channels, x, dy, mean, invstd, weight = backward_inputs(problem)
+    idx = index_dtype(problem.numel)
     count = float(problem.count)
 
     if problem.channels_last:

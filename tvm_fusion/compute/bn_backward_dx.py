@@ -15,10 +15,11 @@ Block names are what schedules refer to.
 
 from __future__ import annotations
 
-from tvm import te, tirx
+from tvm import te
 
 from ..contracts.bn_backward_dx import BNBackwardDxProblem
-from .primitives import dims, index_dtype, widen
+from .bn_backward import backward_inputs
+from .primitives import widen
 
 ALGORITHMS = ("map",)
 F32 = "float32"
@@ -29,14 +30,7 @@ def bn_backward_dx_te(problem: BNBackwardDxProblem, algorithm: str = "map") -> l
     """TE tensors ``[x, dy, mean, invstd, (weight,) mean_dy, mean_dy_xhat, dx]``."""
     if algorithm not in ALGORITHMS:
         raise ValueError(f"bn_backward_dx: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-    idx = index_dtype(problem.numel)
-    shape = dims(problem.shape, idx)
-    channels = dims([problem.channels], idx)
-    x = te.placeholder(shape, problem.dtype, name="x")
-    dy = te.placeholder(shape, problem.dtype, name="dy")
-    mean = te.placeholder(channels, F32, name="mean")
-    invstd = te.placeholder(channels, F32, name="invstd")
-    weight = te.placeholder(channels, F32, name="weight") if problem.affine else None
+    shape, channels, x, dy, mean, invstd, weight = backward_inputs(problem)
     mean_dy = te.placeholder(channels, F32, name="mean_dy")
     mean_dy_xhat = te.placeholder(channels, F32, name="mean_dy_xhat")
 
