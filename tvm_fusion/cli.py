@@ -1,4 +1,4 @@
-"""``tvm-fusion``: benchmark, show, build (and tune) from the command line.
+"""``tvm-fusion``: benchmark, show, build, tune and train the cost model from the command line.
 
 Bad input (unknown op, malformed shape, unknown target or dtype) prints one line
 and exits with status 2, like argparse's own usage errors; no traceback.
@@ -235,6 +235,60 @@ def cmd_syncbn_cost(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_cost_model(args: argparse.Namespace) -> int:
+    from . import cost_model, records, targets
+
+    target = parse_target(args.target)
+    folders = [cost_model.database_folder(log_dir, target) for log_dir in args.log_dir]
+    for log_dir, folder in zip(args.log_dir, folders):
+        if not (folder / records.RECORDS).exists():
+            raise UsageError(f"no {targets.key(target)} tuning log in {log_dir!r}: expected {folder / records.RECORDS}")
+    rows = cost_model.training_rows(args.log_dir, target)
+    shapes = len({r.problem for r in rows})
+    print(f"{len(rows)} timed configurations of {shapes} problems in {', '.join(args.log_dir)}")
+    if args.action == "evaluate":
+        print(cost_model.report(cost_model.evaluate(rows, target)))
+        return 0
+    model = cost_model.CostModel.train(rows, target)
+    if not model.models:
+        raise UsageError(f"no timed record of a registered {target.kind.name} candidate to train on")
+    out = args.out or str(folders[0] / cost_model.model_file(target))
+    model.save(out)
+    for op, keys in model.trained_on.items():
+        print(f"  {op}: {len(keys)} problems")
+    print(f"wrote {out}; dispatch reads it for problems without a record when it lies beside the "
+          f"{targets.key(target)} logs of a searched folder")
+    return 0
+
+
+def cmd_grid(args: argparse.Namespace) -> int:
+    from tqdm import tqdm
+
+    from . import records, tuner
+
+    target = _default_target(args)
+    if args.max_configs is not None and args.max_configs < 1:
+        raise UsageError(f"--max-configs must be a positive int, got {args.max_configs}")
+    problems = [_problem(op, shape, dtype, argparse.Namespace(**{**vars(args), **options}))
+                for op, shape, dtype, options in _cases(args, target.kind.name == "cuda")]
+    configs = tuner.grid_configs(problems, target, args.max_configs)
+    for problem in problems:
+        print(f"  {problem.key()}: {sum(1 for p, _, _ in configs if p == problem)} configurations")
+    if args.list:
+        print(f"{len(configs)} configurations")
+        return 0
+    bar = tqdm(total=len(configs), unit="config", desc="timing")
+
+    def progress(done: int, best: float) -> None:
+        bar.n = done
+        bar.refresh()
+
+    written = tuner.grid_records(problems, target, args.log_dir, args.max_configs, progress)
+    bar.close()
+    print(f"{written} of {len(configs)} configurations timed into {records.folder(args.log_dir, target)}")
+    return 0
+
+
 def cmd_show(args: argparse.Namespace) -> int:
     from . import registry
     from .compute import prim_func
@@ -343,6 +397,27 @@ def build_parser() -> argparse.ArgumentParser:
                       help="processes for --fit (default: the world size, at most one a GPU or a core)")
     cost.add_argument("--backend", choices=["gloo", "nccl"], help="for --fit (default: nccl with CUDA GPUs, else gloo)")
     cost.set_defaults(func=cmd_syncbn_cost)
+
+    grid = sub.add_parser("grid", help="time every knob configuration of every candidate into a tuning log "
+                          "(the cost model's training data)")
+    add_cases(grid)
+    grid.add_argument("--log-dir", dest="log_dir", default="tuning_logs", help="log folder (default tuning_logs)")
+    grid.add_argument("--max-configs", dest="max_configs", type=int,
+                      help="at most this many configurations a candidate, thinned evenly "
+                      "(default: as many as the cost model ranks)")
+    grid.add_argument("--list", action="store_true", help="count the configurations only; time nothing")
+    grid.set_defaults(func=cmd_grid)
+
+    model = sub.add_parser("cost-model", help="train or evaluate the cost model dispatch uses for shapes "
+                           "without a tuning record")
+    model.add_argument("action", choices=["train", "evaluate"],
+                       help="train: fit and write the model file; evaluate: leave-one-shape-out over the logs")
+    model.add_argument("--log-dir", dest="log_dir", nargs="+", required=True,
+                       help="log folders (holding <target key>/database_*.json) or database folders")
+    model.add_argument("--target", default="cuda", help="cuda, llvm or a JSON target dict (default cuda)")
+    model.add_argument("--out", help="model file (default: cost_model_<target key>.json beside the first "
+                       "log's records, where dispatch looks)")
+    model.set_defaults(func=cmd_cost_model)
 
     show = sub.add_parser("show", help="print contract, TE compute, scheduled TIR, trace and source")
     show.add_argument("op", help="bn_stats, cross_entropy, cross_entropy_grad, bn_forward, bn_backward or "

@@ -2,8 +2,11 @@
 
 Order: a tuning record for this exact problem (the fastest across decompositions and
 logs), else a record for the same shape with default options (its candidate and
-knobs reapplied to these options), else the registry's heuristic: the first
-applicable candidate in ``DISPATCH_ORDER`` that prefers the shape, default knobs.
+knobs reapplied to these options), else, when a cost-model file lies beside the
+target's logs in a searched folder (``cost_model_<target key>.json``, see
+:mod:`tvm_fusion.cost_model`), its fastest predicted candidate and knobs, else the
+registry's heuristic: the first applicable candidate in ``DISPATCH_ORDER`` that
+prefers the shape, default knobs.
 """
 
 from __future__ import annotations
@@ -15,18 +18,18 @@ import statistics
 import tvm
 from tvm.target import Target
 
-from . import records, registry
+from . import cost_model, records, registry
 from .compute import ALGORITHMS, prim_func
 from .contracts import CrossEntropyProblem, Problem
 from .kernel import Kernel, build_kernel, schedule_for
-from .registry import ANNOTATED_BLOCK, CANDIDATE_ANNOTATION, KNOB_ANNOTATION, Knobs
+from .registry import Knobs
 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
     candidate: str
     knobs: Knobs
-    source: str  # "record", "record (default options)" or "heuristic"
+    source: str  # "record", "record (default options)", "cost model" or "heuristic"
     reason: str
     mod: tvm.IRModule | None = None  # the record's scheduled module, when exact
 
@@ -83,18 +86,10 @@ def records_of(problem: Problem, target: Target, log_dir: str | os.PathLike | No
                     continue
                 sch = tvm.s_tir.Schedule(mod)
                 record.trace.apply_to_schedule(sch, remove_postproc=False)
-                candidate, knobs = _annotations(sch, problem.op)
+                candidate, knobs = registry.annotated_choice(sch, problem.op)
                 seconds = statistics.median(float(s) for s in record.run_secs)
                 found.append(Found(candidate, knobs, seconds, sch.mod, str(path)))
     return found
-
-
-def _annotations(sch: tvm.s_tir.Schedule, op: str) -> tuple[str, Knobs]:
-    notes = sch.get(sch.get_sblock(ANNOTATED_BLOCK[op])).annotations
-    name = str(notes[CANDIDATE_ANNOTATION])
-    cand = registry.get(name)
-    values = {k[len(KNOB_ANNOTATION):]: int(v) for k, v in notes.items() if k.startswith(KNOB_ANNOTATION)}
-    return name, cand.knobs(**values)
 
 
 RECORDS_READ = 64  # per workload and log: the fastest ones, a tune's worth
@@ -129,11 +124,32 @@ def _choose(problem: Problem, target: Target, log_dir: str | os.PathLike | None)
             return Choice(found.candidate, found.knobs, "record (default options)",
                           f"tuning record of the same shape with default options in {found.path} "
                           f"({found.seconds * 1e3:.4f} ms); its candidate and knobs reapplied")
+    predicted = _cost_model_choice(problem, target, log_dir)
+    if predicted is not None:
+        return predicted
     cand = registry.default_candidate(problem, target)
     names = [c.name for c in registry.applicable(problem, target)]
     return Choice(cand.name, cand.default_for(problem, target), "heuristic",
                   f"no tuning record; first of the applicable candidates {names} in dispatch "
                   f"order that prefers this shape, with its default knobs")
+
+
+def _cost_model_choice(problem: Problem, target: Target, log_dir: str | os.PathLike | None) -> Choice | None:
+    """The cost model's fastest predicted (candidate, knobs), or None without a model
+    file for the target or a regressor for the operator."""
+    found = cost_model.find(target, log_dir)
+    if found is None:
+        return None
+    path, model = found
+    ranked = model.rank(problem, target)
+    if not ranked:
+        return None
+    best = ranked[0]
+    second = (f"; second best {ranked[1].candidate} [{ranked[1].knobs}] {ranked[1].seconds * 1e3:.4f} ms"
+              if len(ranked) > 1 else "")
+    return Choice(best.candidate, best.knobs, "cost model",
+                  f"no tuning record; cost model in {path}: predicted {best.seconds * 1e3:.4f} ms{second} "
+                  f"({len(ranked)} configurations ranked)")
 
 
 def kernel_for(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None) -> Kernel:

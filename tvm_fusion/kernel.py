@@ -36,7 +36,7 @@ class Kernel:
     target: Target
     candidate: str
     knobs: Knobs
-    source: str  # "record", "heuristic" or "explicit": how the candidate was chosen
+    source: str  # "record", "cost model", "heuristic" or "explicit": how the candidate was chosen
     mod: tvm.IRModule = field(repr=False)  # as scheduled (what a tuning record keeps)
     executable: Any = field(repr=False)
     compiled: tvm.IRModule | None = field(default=None, repr=False)  # as compiled (compiled_form)

@@ -133,6 +133,15 @@ class Candidate:
         return f"<candidate {self.name} ({self.op}, {self.target_kind}, {self.algorithm})>"
 
 
+def annotated_choice(sch: s_tir.Schedule, op: str) -> tuple[str, Knobs]:
+    """The candidate and knobs that :meth:`Candidate.apply_to` wrote on a scheduled
+    ``op`` (a tuning record's trace replayed, say), read back from the annotations."""
+    notes = sch.get(sch.get_sblock(ANNOTATED_BLOCK[op])).annotations
+    name = str(notes[CANDIDATE_ANNOTATION])
+    values = {k[len(KNOB_ANNOTATION):]: int(v) for k, v in notes.items() if k.startswith(KNOB_ANNOTATION)}
+    return name, get(name).knobs(**values)
+
+
 class _SampledKnobs:
     """Knob fields as ExprRVs, read like the frozen dataclass."""
 

@@ -14,6 +14,10 @@ and the runner dies), and builds in a process that has imported this
 package (TVM only knows our tuple reducers once they are registered there; stock
 builds also timed out at 30 s).
 
+:func:`grid_records` times every configuration of every applicable candidate
+instead of searching, with the same builder and runner, into the same database: the
+cost model's training data (:mod:`tvm_fusion.cost_model`).
+
 Builds run in this process (:class:`InProcessBuilder`): one of these kernels builds
 in about 0.1 s, while the stock LocalBuilder starts a fresh pool of worker processes
 for every batch, each importing TVM: on a 2-core machine that start-up was nearly
@@ -39,6 +43,7 @@ from tvm.target import Target
 from . import records, registry, targets
 from .compute import prim_func
 from .contracts import Problem
+from .cost_model import thinned
 from .timing import copies_for, time_gpu
 
 RUN_TIMEOUT_S = 60
@@ -197,6 +202,16 @@ class Progress(ms.measure_callback.PyMeasureCallback):
         self.report(self.done, self.best)
 
 
+def make_runner(timeout: float = RUN_TIMEOUT_S) -> ms.runner.LocalRunner:
+    """The runner of every measurement here: valid arguments, graph-replay timing."""
+    return ms.runner.LocalRunner(
+        timeout_sec=timeout,
+        evaluator_config=ms.runner.EvaluatorConfig(number=5, repeat=3, min_repeat_ms=20),
+        f_alloc_argument=alloc_valid_arguments,
+        f_run_evaluator=graph_replay_evaluator,
+    )
+
+
 def measure_default(problem: Problem, target: Target, builder: Any, runner: Any, database: Any) -> bool:
     """Measure the registry's untuned pick with the tuning builder and runner and log it,
     so the tuner's pick is never slower than the default it replaces (seen on the H200:
@@ -254,12 +269,7 @@ def tune(
     database = records.json_database(path)
     total = trials * len(problems)
     builder = InProcessBuilder()
-    runner = ms.runner.LocalRunner(
-        timeout_sec=runner_timeout,
-        evaluator_config=ms.runner.EvaluatorConfig(number=5, repeat=3, min_repeat_ms=20),
-        f_alloc_argument=alloc_valid_arguments,
-        f_run_evaluator=graph_replay_evaluator,
-    )
+    runner = make_runner(runner_timeout)
     # Small batches, so the task scheduler can share a shape's trials among its
     # decompositions (a 10-trial budget in one batch once went to one task alone).
     per_iter = max(2, trials // (2 * max(len(tasks) for tasks in per_problem)))
@@ -298,3 +308,62 @@ def tune(
         if found is not None:
             best[problem.key()] = (found.candidate, found.seconds)
     return TuneResult(str(path), seconds, total, best)
+
+
+# -- grids: every configuration timed, the cost model's training data ---------------------
+GRID_BATCH = 16  # configurations built and then run together
+
+
+def grid_configs(problems: Sequence[Problem], target: Target,
+                 max_configs: int | None = None) -> list[tuple[Problem, registry.Candidate, registry.Knobs]]:
+    """Every knob configuration of every applicable candidate of each problem, in
+    dispatch order: at most ``max_configs`` a candidate (default
+    ``cost_model.MAX_CONFIGS``, what the model ranks), a larger space thinned evenly,
+    its default kept."""
+    return [(problem, cand, knobs) for problem in problems for cand in registry.applicable(problem, target)
+            for knobs in thinned(cand, problem, target, max_configs)]
+
+
+def grid_records(
+    problems: Sequence[Problem],
+    target: Any,
+    log_dir: str | os.PathLike = "tuning_logs",
+    max_configs: int | None = None,
+    progress: Callable[[int, float], None] | None = None,
+    runner_timeout: float = RUN_TIMEOUT_S,
+) -> int:
+    """Time every configuration of :func:`grid_configs` with the tuner's builder and
+    runner, and append each to the MetaSchedule database in ``<log_dir>/<target>/``
+    as a tuning record (so dispatch, ``records.curve`` and ``cost_model.training_rows``
+    read them like a tune's). A configuration that fails to build or run (too many
+    threads for the block, say) is skipped. Returns the records written."""
+    target = targets.with_limits(targets.resolve(target))
+    configs = grid_configs(problems, target, max_configs)
+    database = records.json_database(records.folder(log_dir, target))
+    builder, runner = InProcessBuilder(), make_runner(runner_timeout)
+    device_type = "cuda" if target.kind.name == "cuda" else "cpu"  # as MetaSchedule names devices
+    written, done, best = 0, 0, float("inf")
+    with tvm.transform.PassContext(opt_level=3), target:
+        for start in range(0, len(configs), GRID_BATCH):
+            batch = configs[start:start + GRID_BATCH]
+            schedules = [cand.apply(prim_func(problem, cand.algorithm), target, knobs=knobs)
+                         for problem, cand, knobs in batch]
+            built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
+            ready = [(item, sch, result) for item, sch, result in zip(batch, schedules, built) if not result.error_msg]
+            inputs = [ms.runner.RunnerInput(result.artifact_path, device_type,
+                                            ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]))
+                      for _, sch, result in ready]
+            for ((problem, cand, _), sch, _), given, future in zip(ready, inputs, runner.run(inputs)):
+                result = future.result()
+                if result.error_msg or not result.run_secs:
+                    continue
+                workload = database.commit_workload(tvm.IRModule({"main": prim_func(problem, cand.algorithm)}))
+                database.commit_tuning_record(
+                    ms.database.TuningRecord(sch.trace, workload, result.run_secs, target, given.args_info))
+                written += 1
+                best = min(best, float(np.median([float(s) for s in result.run_secs])))
+            done += len(batch)
+            if progress is not None:
+                progress(done, best)
+    records.invalidate()
+    return written

@@ -1,0 +1,207 @@
+"""The cost model, on the CPU: features, training rows from the shipped H200 logs,
+the model file, dispatch from it, leave-one-shape-out, the CLI.
+
+The training data are the shipped ``tuning_logs/cuda_sm_90`` records (read only):
+24 tuning trials plus the untuned default for each of nine shapes. What is checked
+is the plumbing and the guarantees dispatch relies on (a record still wins, no model
+file changes nothing), not how well the model picks: that needs grids of timings
+from the GPU host."""
+
+import json
+import math
+
+import numpy as np
+import pytest
+import tvm
+
+import tvm_fusion as tf
+from helpers import assert_close, random_floats, rng
+from tvm.s_tir import meta_schedule as ms
+from tvm_fusion import cli, cost_model, dispatch, records, registry, targets
+from tvm_fusion.compute import prim_func
+from tvm_fusion.contracts import cross_entropy as ce_ref
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})  # the shipped logs' target key, no GPU asked
+SHIPPED_PROBLEMS = 9  # 4 bn_stats and 5 cross_entropy shapes (tuning_logs/README.md)
+# No record of this shape ships: the model must choose. 1024 rows sit between the
+# tuned 128 and 4096 rows of V = 32000.
+UNTUNED = tf.make_problem("cross_entropy", (1024, 32000), "float16")
+TUNED = tf.make_problem("cross_entropy", (4096, 32000), "float16")
+
+
+@pytest.fixture(scope="module")
+def rows():
+    return cost_model.training_rows(records.SHIPPED, CUDA)
+
+
+@pytest.fixture(scope="module")
+def model_dir(rows, tmp_path_factory):
+    """A log folder holding nothing but a model trained on the shipped records."""
+    log_dir = tmp_path_factory.mktemp("model_logs")
+    cost_model.CostModel.train(rows, CUDA).save(records.folder(log_dir, CUDA) / cost_model.model_file(CUDA))
+    records.invalidate()
+    return log_dir
+
+
+def test_features_name_every_column_and_zero_the_knobs_a_candidate_lacks():
+    schema = cost_model.Schema.for_op("cross_entropy", CUDA)
+    cand = registry.get("cross_entropy_online")  # threads and unroll, no vector
+    knobs = cand.default_for(UNTUNED, CUDA)
+    row = schema.row(UNTUNED, cand.name, knobs)
+    assert len(row) == len(schema.names)
+    values = dict(zip(schema.names, row))
+    assert [values[f"candidate={c}"] for c in schema.candidates].count(1.0) == 1
+    assert values["candidate=cross_entropy_online"] == 1.0
+    assert values["knob.vector"] == 0.0 and values["knob.threads"] == knobs.threads
+    assert values["log2_rows"] == 10 and values["log2_classes"] == pytest.approx(math.log2(32000))
+    assert values["log2_extent_per.threads"] == pytest.approx(math.log2(32000 / knobs.threads))
+    bn = tf.make_problem("bn_stats", (64, 56, 56, 256), "float16", layout="NHWC")
+    features = cost_model.problem_features(bn)
+    assert features["channels_last"] == 1.0 and features["log2_plane"] == 0.0 and features["log2_channels"] == 8
+
+
+def test_a_knob_that_is_off_is_a_feature_like_any_other():
+    cpu = targets.resolve("llvm")
+    problem = tf.make_problem("cross_entropy", (16, 256), "float32")
+    cand = registry.default_candidate(problem, cpu)  # cross_entropy_parallel: lanes, parallel=0 on 16 rows
+    schema = cost_model.Schema.for_op("cross_entropy", cpu)
+    values = dict(zip(schema.names, schema.row(problem, cand.name, cand.default_for(problem, cpu))))
+    assert values["knob.parallel"] == 0.0 and values["log2_extent_per.parallel"] == 8.0
+
+
+def test_on_the_cpu_the_models_pick_is_built_and_computes_the_loss(tmp_path):
+    """Synthetic records on two shapes where lanes=8 is fastest (not the default 16):
+    on a third shape, without a record, dispatch builds the model's pick."""
+    cpu = targets.resolve("llvm")
+    db = records.json_database(records.folder(tmp_path, cpu))
+    factor = {4: 1.0, 8: 0.5, 16: 2.0, 32: 3.0}  # made up: the ranking the model must learn
+    for shape in ((16, 256), (32, 512)):
+        problem = tf.make_problem("cross_entropy", shape, "float32")
+        cand = registry.default_candidate(problem, cpu)
+        workload = db.commit_workload(tvm.IRModule({"main": prim_func(problem, cand.algorithm)}))
+        for knobs in cand.all_configs(problem, cpu):
+            sch = cand.apply(prim_func(problem, cand.algorithm), cpu, knobs=knobs)
+            args = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
+            seconds = 1e-9 * problem.numel * factor[knobs.lanes]
+            db.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, [seconds], cpu, args))
+    rows = cost_model.training_rows(tmp_path, cpu)
+    assert len(rows) == 8
+    cost_model.CostModel.train(rows, cpu).save(records.folder(tmp_path, cpu) / cost_model.model_file(cpu))
+    records.invalidate()
+    shape = (64, 384)
+    problem = tf.make_problem("cross_entropy", shape, "float32")
+    kernel = dispatch.kernel_for(problem, cpu, tmp_path)
+    assert kernel.source == "cost model" and kernel.knobs.lanes == 8
+    gen = rng()
+    logits, target = random_floats(gen, shape, "float32"), gen.integers(0, shape[1], shape[0])
+    outs = [tvm.runtime.empty(out_shape, dtype) for _, out_shape, dtype in kernel.outputs]
+    kernel(tvm.runtime.tensor(logits), tvm.runtime.tensor(target), *outs)
+    assert_close(outs[-2].numpy(), ce_ref.reference(logits, target), 1e-5, 1e-5, "cost model's pick")
+    assert dispatch.choose(tf.make_problem("cross_entropy", (16, 256), "float32"), cpu, tmp_path).source == "record"
+
+
+def test_training_rows_hold_every_shipped_shape_with_its_default_timed(rows):
+    problems = {r.problem for r in rows}
+    assert len(problems) == SHIPPED_PROBLEMS and len(rows) > 200
+    assert all(r.seconds > 0 for r in rows)
+    assert {r.candidate for r in rows} <= {c.name for c in registry.all_candidates()}
+    for problem in problems:  # the tuner times the registry's pick of every shape it tunes
+        default = registry.default_candidate(problem, CUDA)
+        assert any(r.problem == problem and r.candidate == default.name
+                   and r.knobs == default.default_for(problem, CUDA) for r in rows), problem.key()
+
+
+def test_the_model_file_round_trips_and_ranks_every_configuration(rows, model_dir):
+    path = records.folder(model_dir, CUDA) / cost_model.model_file(CUDA)
+    saved = json.loads(path.read_text())
+    assert saved["target"] == "cuda_sm_90" and set(saved["ops"]) == {"bn_stats", "cross_entropy"}
+    assert path.stat().st_size < 1_000_000
+    trained, loaded = cost_model.CostModel.train(rows, CUDA), cost_model.CostModel.load(path)
+    configs = [(r.candidate, r.knobs) for r in rows if r.problem == TUNED]
+    assert np.allclose(trained.predict_many(TUNED, configs), loaded.predict_many(TUNED, configs), rtol=1e-6)
+    ranked = loaded.rank(UNTUNED, CUDA)
+    applicable = registry.applicable(UNTUNED, CUDA)
+    assert len(ranked) == sum(len(c.all_configs(UNTUNED, CUDA)) for c in applicable)
+    assert {r.candidate for r in ranked} == {c.name for c in applicable}
+    seconds = [r.seconds for r in ranked]
+    assert seconds == sorted(seconds) and seconds[0] > 0
+    assert loaded.predict(UNTUNED, ranked[0].candidate, ranked[0].knobs) == pytest.approx(seconds[0])
+    assert loaded.rank(tf.make_problem("bn_forward", (8, 16, 32, 32), "float16"), CUDA) == []  # no bn_forward rows
+
+
+def test_a_large_space_is_thinned_and_keeps_its_default(monkeypatch):
+    problem = tf.make_problem("bn_forward", (64, 256, 56, 56), "float16")
+    cand = registry.get("bn_forward_split_plane")  # 2448 configurations on this shape
+    monkeypatch.setattr(cost_model, "MAX_CONFIGS", 100)
+    kept = cost_model.thinned(cand, problem, CUDA)
+    assert len(kept) <= 100 and cand.default_for(problem, CUDA) in kept
+
+
+def test_dispatch_takes_the_models_pick_only_where_no_record_is(model_dir):
+    model = cost_model.CostModel.load(records.folder(model_dir, CUDA) / cost_model.model_file(CUDA))
+    choice = dispatch.choose(UNTUNED, CUDA, model_dir)
+    best, second = model.rank(UNTUNED, CUDA)[:2]
+    assert choice.source == "cost model" and (choice.candidate, choice.knobs) == (best.candidate, best.knobs)
+    assert f"predicted {best.seconds * 1e3:.4f} ms" in choice.reason
+    assert f"second best {second.candidate} [{second.knobs}]" in choice.reason
+    text = tf.explain("cross_entropy", (1024, 32000), "float16", CUDA, log_dir=str(model_dir))
+    assert "(cost model)" in text and best.candidate in text
+    # A shipped record still wins, for this exact problem and for other options on its shape.
+    assert dispatch.choose(TUNED, CUDA, model_dir).source == "record"
+    smoothed = tf.make_problem("cross_entropy", (4096, 32000), "float16", label_smoothing=0.1)
+    assert dispatch.choose(smoothed, CUDA, model_dir).source == "record (default options)"
+    # An operator the model was not trained on keeps the heuristic.
+    bn_forward = tf.make_problem("bn_forward", (8, 16, 32, 32), "float16")
+    assert dispatch.choose(bn_forward, CUDA, model_dir).source == "heuristic"
+
+
+def test_without_a_model_file_dispatch_is_unchanged(tmp_path):
+    choice = dispatch.choose(UNTUNED, CUDA, tmp_path)
+    cand = registry.default_candidate(UNTUNED, CUDA)
+    assert choice.source == "heuristic"
+    assert (choice.candidate, choice.knobs) == (cand.name, cand.default_for(UNTUNED, CUDA))
+    assert cost_model.find(CUDA, tmp_path) is None  # the shipped logs hold no model file
+
+
+def test_leave_one_shape_out_judges_every_shipped_shape(rows):
+    results = cost_model.evaluate(rows, CUDA)
+    assert len(results) == SHIPPED_PROBLEMS
+    for held in results:
+        assert held.ratio >= 1.0 and held.default_ratio >= 1.0 and held.configs >= 20
+        assert math.isnan(held.spearman) or -1.0 <= held.spearman <= 1.0
+    table = cost_model.report(results)
+    assert len(table.splitlines()) == SHIPPED_PROBLEMS + 2 and "geometric mean pick/best" in table
+
+
+def test_cli_trains_a_model_file_and_reports_a_missing_log(tmp_path, capsys):
+    out = tmp_path / "model.json"
+    target = '{"kind": "cuda", "arch": "sm_90"}'
+    assert cli.main(["cost-model", "train", "--log-dir", str(records.SHIPPED), "--target", target,
+                     "--out", str(out)]) == 0
+    assert "cross_entropy: 5 problems" in capsys.readouterr().out
+    assert set(cost_model.CostModel.load(out).models) == {"bn_stats", "cross_entropy"}
+    assert cli.main(["cost-model", "evaluate", "--log-dir", str(tmp_path), "--target", target]) == cli.EXIT_USAGE
+    assert "no cuda_sm_90 tuning log" in capsys.readouterr().err
+
+
+def test_the_grid_enumerates_every_configuration_of_every_applicable_candidate():
+    from tvm_fusion import tuner
+
+    applicable = registry.applicable(TUNED, CUDA)
+    configs = tuner.grid_configs([TUNED, UNTUNED], CUDA)
+    assert len(configs) == 2 * sum(len(c.all_configs(TUNED, CUDA)) for c in applicable)
+    assert len({(p, c.name, k) for p, c, k in configs}) == len(configs)
+    assert {c.name for _, c, _ in configs} == {c.name for c in applicable}
+    few = tuner.grid_configs([TUNED], CUDA, max_configs=5)
+    for cand in applicable:  # each space thinned to 5, its default kept
+        knobs = [k for _, c, k in few if c is cand]
+        assert len(knobs) == min(5, len(cand.all_configs(TUNED, CUDA)))
+        assert cand.default_for(TUNED, CUDA) in knobs
+
+
+def test_cli_grid_lists_the_configurations_without_timing(tmp_path, capsys):
+    assert cli.main(["grid", "--list", "--ops", "cross_entropy", "--shapes", "1024x32000", "--dtype", "float16",
+                     "--target", "cuda", "--max-configs", "8", "--log-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "cross_entropy_1024x32000_float16_mean_int64: 24 configurations" in out  # 3 candidates x 8
+    assert not any(tmp_path.iterdir())  # nothing timed, nothing written

@@ -1,0 +1,420 @@
+"""A learned cost model: which candidate and knobs to run on a shape nobody tuned.
+
+For a problem without a tuning record, the registry's pick is hand-written
+(``registry.default_candidate`` with ``default_for`` knobs). This module learns one
+from the tuning logs instead: one XGBoost regressor per operator, trained on every
+timed record, predicts the time of (problem, candidate, knobs), and
+:meth:`CostModel.rank` orders every applicable candidate and knob configuration.
+
+Features (:class:`Schema`), all numbers, one row per configuration:
+
+1. The problem, from its shape: log2 of the sizes a schedule divides (CE: rows,
+   classes; BatchNorm: N, channels, plane L, values per channel), log2 of the
+   elements and of the bytes moved, the element and index sizes in bytes, the
+   layout and the options that change the work (weight, label smoothing, reduction,
+   gradient mode; affine, training, running statistics). Logs, because the timings
+   scale with the sizes multiplicatively and a tree splits a log as well as a size.
+2. The candidate: one-hot over the operator's registered candidates for the target
+   kind, in dispatch order.
+3. Every knob any of those candidates has, by name, its value as the candidate
+   sets it, 0 where the candidate has no such knob. The names are shared (the
+   ``threads`` of two candidates are two meanings); the trees split on the
+   candidate's one-hot first where that matters.
+4. The knobs against the shape: per knob, log2(reduction extent / knob) (the
+   extent is V for cross entropy, the values per channel for BatchNorm; 0 where the
+   candidate has no such knob), and log2(extent / lanes), the lanes being the
+   product of the parallel knobs (threads, vector, splits, channel_lanes): the
+   elements each lane reduces. A raw knob value means a different amount of work
+   on every shape; this ratio is what carries over to a shape nobody tuned. On the
+   shipped H200 records it raised the mean leave-one-shape-out rank correlation
+   from 0.16 to 0.36.
+
+Target variable: ``log(seconds / bytes moved)``, the log of the inverse bandwidth.
+Dividing by the bytes takes out most of a shape's scale (the best times of the
+shipped H200 records span 0.0038 to 0.50 ms, 130x; their bandwidths 0.63 to 4.2 TB/s,
+7x), so the trees spend
+their splits on how a candidate and its knobs compare, which is what the ranking
+needs. It is an absolute quantity, unlike the time relative to the best record of
+the shape, which depends on which configurations a tune happened to sample (tuning
+trials are not a grid), and it converts back to a predicted time for ``explain``.
+
+The model file is ``cost_model_<target key>.json`` beside a target's tuning logs
+(``tuning_logs/cuda_sm_90/cost_model_cuda_sm_90.json``): per operator the schema
+and xgboost's own JSON model. Dispatch reads it when a problem has no record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import statistics
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+import tvm
+from tvm.target import Target
+
+from . import records, registry, targets
+from .compute import problem_of
+from .contracts import CrossEntropyGradProblem, CrossEntropyProblem, Problem
+from .contracts.common import DTYPE_BYTES
+from .registry import Candidate, Knobs
+
+FORMAT = 1
+TARGET_VARIABLE = "log(seconds / bytes_moved)"
+
+# Trees of depth 4, 100 rounds at a 0.2 step: the shipped H200 logs hold about a
+# hundred timed configurations per operator. Leave-one-shape-out on them gave the same
+# picks as 300 rounds at 0.1, in a third of the file (about 180 KB per operator). One thread: two on the 2-core CI machine under load took 100x
+# longer.
+XGB_PARAMS = {"objective": "reg:squarederror", "max_depth": 4, "eta": 0.2, "min_child_weight": 1.0,
+              "lambda": 1.0, "seed": 0, "nthread": 1}
+ROUNDS = 100
+# The knobs that multiply into the lanes reducing one output (see the docstring, 4.).
+PARALLEL_KNOBS = ("threads", "vector", "splits", "channel_lanes")
+
+# The configurations ranked per candidate: every one up to this many (bn_forward_split_plane
+# has 2448 on 64x256x56x56, bn_stats_channels_last 1800 on 64x56x56x256); a larger space
+# is thinned evenly, its default kept. Predicting 4096 rows takes a few milliseconds.
+MAX_CONFIGS = 4096
+
+
+def model_file(target: Target) -> str:
+    return f"cost_model_{targets.key(target)}.json"
+
+
+# -- features -----------------------------------------------------------------------
+_CE_FEATURES = ("log2_rows", "log2_classes", "target_bytes", "has_weight", "label_smoothing",
+                "reduction_none", "reduction_sum")
+_CE_GRAD_FEATURES = ("from_lse", "in_place")
+_BN_FEATURES = ("log2_n", "log2_channels", "log2_plane", "log2_count", "channels_last", "affine", "training",
+                "track_running")
+_COMMON_FEATURES = ("log2_numel", "log2_bytes_moved", "dtype_bytes")
+
+
+def problem_feature_names(op: str) -> tuple[str, ...]:
+    if op == "cross_entropy":
+        return _COMMON_FEATURES + _CE_FEATURES
+    if op == "cross_entropy_grad":
+        return _COMMON_FEATURES + _CE_FEATURES + _CE_GRAD_FEATURES
+    return _COMMON_FEATURES + _BN_FEATURES
+
+
+def problem_features(problem: Problem) -> dict[str, float]:
+    """The shape-derived numbers of ``problem`` (see the module's docstring)."""
+    found = {"log2_numel": _log2(problem.numel),
+             "log2_bytes_moved": _log2(problem.bytes_moved),
+             "dtype_bytes": DTYPE_BYTES[problem.dtype]}
+    if isinstance(problem, (CrossEntropyProblem, CrossEntropyGradProblem)):
+        found.update(log2_rows=_log2(problem.batch), log2_classes=_log2(problem.classes),
+                     target_bytes=DTYPE_BYTES[problem.target_dtype], has_weight=float(problem.has_weight),
+                     label_smoothing=problem.label_smoothing, reduction_none=float(problem.reduction == "none"),
+                     reduction_sum=float(problem.reduction == "sum"))
+        if isinstance(problem, CrossEntropyGradProblem):
+            found.update(from_lse=float(problem.mode == "from_lse"), in_place=float(problem.in_place))
+        return found
+    # A per-channel problem: (N, C, L), or (M, C) channels-last, whose "N" is M and plane 1.
+    plane = 1 if problem.channels_last else problem.shape[2]
+    found.update(log2_n=_log2(problem.shape[0]), log2_channels=_log2(problem.channels),
+                 log2_plane=_log2(plane), log2_count=_log2(problem.count),
+                 channels_last=float(problem.channels_last), affine=float(getattr(problem, "affine", True)),
+                 training=float(getattr(problem, "training", True)),
+                 track_running=float(getattr(problem, "track_running", False)))
+    return found
+
+
+@dataclasses.dataclass(frozen=True)
+class Schema:
+    """The feature columns of one operator's model, kept in the model file so that a
+    candidate or knob registered after training is recognised as unknown."""
+
+    op: str
+    problem_features: tuple[str, ...]
+    candidates: tuple[str, ...]
+    knobs: tuple[str, ...]
+
+    @classmethod
+    def for_op(cls, op: str, target: Target) -> Schema:
+        cands = registry.candidates(op, target.kind.name)
+        knobs = sorted({f.name for c in cands for f in dataclasses.fields(c.knobs)})
+        return cls(op, problem_feature_names(op), tuple(c.name for c in cands), tuple(knobs))
+
+    @property
+    def names(self) -> list[str]:
+        return [*self.problem_features, *(f"candidate={c}" for c in self.candidates),
+                *(f"knob.{k}" for k in self.knobs), *(f"log2_extent_per.{k}" for k in self.knobs),
+                "log2_extent_per_lane"]
+
+    def covers(self, cand: Candidate) -> bool:
+        return cand.name in self.candidates and {f.name for f in dataclasses.fields(cand.knobs)} <= set(self.knobs)
+
+    def row(self, problem: Problem, candidate: str, knobs: Knobs) -> list[float]:
+        shape = problem_features(problem)
+        values = knobs.as_dict()
+        extent = _log2(reduction_extent(problem))
+        lanes = sum(_log2(values[k]) for k in PARALLEL_KNOBS if k in values)
+        return ([shape[n] for n in self.problem_features]
+                + [float(candidate == c) for c in self.candidates]
+                + [float(values.get(k, 0)) for k in self.knobs]
+                + [extent - _log2(values[k]) if k in values else 0.0 for k in self.knobs]
+                + [extent - lanes])
+
+
+def _log2(value: float) -> float:
+    """log2, with 0 and 1 both 0 (a knob of 0 is off: the CPU candidates' ``parallel``)."""
+    return math.log2(max(1, value))
+
+
+def reduction_extent(problem: Problem) -> int:
+    """The values reduced into one output: V for cross entropy, the values per
+    channel for BatchNorm."""
+    if isinstance(problem, (CrossEntropyProblem, CrossEntropyGradProblem)):
+        return problem.classes
+    return problem.count
+
+
+# -- training data ------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One timed configuration: the median of its records' median run times."""
+
+    problem: Problem
+    candidate: str
+    knobs: Knobs
+    seconds: float
+
+
+def training_rows(log_dirs: str | os.PathLike | Iterable[str | os.PathLike], target: Target) -> list[Row]:
+    """Every timed configuration in the MetaSchedule databases of ``log_dirs``.
+
+    Each entry is a log folder (``tuning_logs``, whose ``<target key>`` folder is read)
+    or a database folder itself. A record's workload carries the problem
+    (``tvm_fusion.problem``); its trace, replayed, the candidate and knobs. A
+    configuration timed several times (the tuner's default and a trial that
+    sampled the same knobs) becomes one row."""
+    if isinstance(log_dirs, (str, os.PathLike)):
+        log_dirs = [log_dirs]
+    timed: dict[tuple, list[float]] = {}
+    for base in log_dirs:
+        for record in records.load(database_folder(base, target)).database.get_all_tuning_records():
+            func = record.workload.mod["main"]
+            if not record.run_secs or "tvm_fusion.problem" not in func.attrs:
+                continue
+            problem = problem_of(func)
+            sch = tvm.s_tir.Schedule(record.workload.mod)
+            record.trace.apply_to_schedule(sch, remove_postproc=False)
+            candidate, knobs = registry.annotated_choice(sch, problem.op)
+            seconds = statistics.median(float(s) for s in record.run_secs)
+            timed.setdefault((problem, candidate, knobs), []).append(seconds)
+    return [Row(p, c, k, statistics.median(s)) for (p, c, k), s in timed.items()]
+
+
+def database_folder(log_dir: str | os.PathLike, target: Target) -> pathlib.Path:
+    """``log_dir`` itself when it holds a database, else its ``<target key>`` folder."""
+    path = pathlib.Path(log_dir)
+    return path if (path / records.RECORDS).exists() else records.folder(path, target)
+
+
+def _label(row: Row) -> float:
+    return math.log(row.seconds / row.problem.bytes_moved)
+
+
+# -- the model ----------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Ranked:
+    candidate: str
+    knobs: Knobs
+    seconds: float  # predicted
+
+
+class CostModel:
+    """One XGBoost regressor per operator over :class:`Schema` features."""
+
+    def __init__(self, target_key: str):
+        self.target_key = target_key  # e.g. cuda_sm_90
+        self.models: dict[str, tuple[Schema, object]] = {}  # op -> (schema, xgboost Booster)
+        self.trained_on: dict[str, list[str]] = {}  # op -> the problem keys of its rows
+
+    @classmethod
+    def train(cls, rows: Sequence[Row], target: Target) -> CostModel:
+        import xgboost as xgb
+
+        model = cls(targets.key(target))
+        by_op: dict[str, list[Row]] = {}
+        for row in rows:
+            by_op.setdefault(row.problem.op, []).append(row)
+        for op, op_rows in sorted(by_op.items()):
+            schema = Schema.for_op(op, target)
+            op_rows = [r for r in op_rows if r.candidate in schema.candidates]
+            if not op_rows:
+                continue
+            data = xgb.DMatrix(np.array([schema.row(r.problem, r.candidate, r.knobs) for r in op_rows]),
+                               label=np.array([_label(r) for r in op_rows]), feature_names=schema.names)
+            model.models[op] = (schema, xgb.train(XGB_PARAMS, data, num_boost_round=ROUNDS))
+            model.trained_on[op] = sorted({r.problem.key() for r in op_rows})
+        return model
+
+    def covers(self, op: str) -> bool:
+        return op in self.models
+
+    def predict_many(self, problem: Problem, configs: Sequence[tuple[str, Knobs]]) -> np.ndarray:
+        """Predicted seconds of each (candidate, knobs) on ``problem``."""
+        import xgboost as xgb
+
+        schema, booster = self.models[problem.op]
+        features = np.array([schema.row(problem, c, k) for c, k in configs])
+        log_per_byte = booster.predict(xgb.DMatrix(features, feature_names=schema.names))
+        return np.exp(log_per_byte.astype(np.float64)) * problem.bytes_moved
+
+    def predict(self, problem: Problem, candidate: str, knobs: Knobs) -> float:
+        return float(self.predict_many(problem, [(candidate, knobs)])[0])
+
+    def rank(self, problem: Problem, target: Target) -> list[Ranked]:
+        """Every applicable candidate the model knows, each with every knob
+        configuration (at most ``MAX_CONFIGS``), fastest predicted first; empty when
+        the model has no regressor for the operator."""
+        if problem.op not in self.models:
+            return []
+        schema, _ = self.models[problem.op]
+        configs = [(cand.name, knobs) for cand in registry.applicable(problem, target) if schema.covers(cand)
+                   for knobs in thinned(cand, problem, target)]
+        if not configs:
+            return []
+        seconds = self.predict_many(problem, configs)
+        order = np.argsort(seconds, kind="stable")
+        return [Ranked(configs[i][0], configs[i][1], float(seconds[i])) for i in order]
+
+    # -- the file ---------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> str:
+        ops = {op: {"problem_features": list(schema.problem_features), "candidates": list(schema.candidates),
+                    "knobs": list(schema.knobs), "trained_on": self.trained_on.get(op, []),
+                    "booster": json.loads(bytes(booster.save_raw("json")))}
+               for op, (schema, booster) in self.models.items()}
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as handle:
+            json.dump({"format": FORMAT, "target": self.target_key, "target_variable": TARGET_VARIABLE,
+                       "ops": ops}, handle)
+        return str(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> CostModel:
+        import xgboost as xgb
+
+        with open(path) as handle:
+            saved = json.load(handle)
+        if saved.get("format") != FORMAT or saved.get("target_variable") != TARGET_VARIABLE:
+            raise ValueError(f"{path}: not a tvm_fusion cost model of format {FORMAT} ({TARGET_VARIABLE})")
+        model = cls(saved["target"])
+        for op, entry in saved["ops"].items():
+            schema = Schema(op, tuple(entry["problem_features"]), tuple(entry["candidates"]), tuple(entry["knobs"]))
+            booster = xgb.Booster()
+            booster.load_model(bytearray(json.dumps(entry["booster"]).encode()))
+            model.models[op] = (schema, booster)
+            model.trained_on[op] = list(entry["trained_on"])
+        return model
+
+
+def thinned(cand: Candidate, problem: Problem, target: Target, limit: int | None = None) -> list[Knobs]:
+    """``cand``'s configurations on ``problem``, at most ``limit`` (default
+    ``MAX_CONFIGS``): a larger space is sampled at evenly spaced positions, with its
+    default in place of the sample nearest to it when the samples miss it."""
+    limit = MAX_CONFIGS if limit is None else limit
+    configs = cand.all_configs(problem, target)
+    if len(configs) <= limit:
+        return configs
+    default = cand.default_for(problem, target)
+    if limit == 1:
+        return [default]
+    picks = [round(i * (len(configs) - 1) / (limit - 1)) for i in range(limit)]
+    if default in configs and configs.index(default) not in picks:
+        at = configs.index(default)
+        picks[min(range(limit), key=lambda i: abs(picks[i] - at))] = at
+    return [configs[i] for i in sorted(picks)]
+
+
+# -- what dispatch reads --------------------------------------------------------------
+# Cleared with the choice caches by records.invalidate(): (path, mtime) -> model.
+_MODELS: dict[tuple[str, float], CostModel] = records.register_cache({})
+
+
+def find(target: Target, log_dir: str | os.PathLike | None = None) -> tuple[pathlib.Path, CostModel] | None:
+    """The first ``cost_model_<target key>.json`` in the folders dispatch searches
+    (``log_dir``, ``$TVM_FUSION_LOG_DIR``, the shipped logs), loaded; None when none is."""
+    for base in records.search_paths(log_dir):
+        path = records.folder(base, target) / model_file(target)
+        if path.exists():
+            key = (str(path), path.stat().st_mtime)
+            if key not in _MODELS:
+                _MODELS[key] = CostModel.load(path)
+            return path, _MODELS[key]
+    return None
+
+
+# -- leave one shape out --------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class HeldOut:
+    """How a model trained without one shape picks on it, among the configurations
+    timed on that shape."""
+
+    problem: str  # the held-out problem's key
+    configs: int  # timed configurations of it
+    pick: str  # the model's pick among them, "candidate [knobs]"
+    ratio: float  # the pick's measured time over the best measured time (1.0: found the best)
+    spearman: float  # rank correlation of predicted and measured times (nan: undefined)
+    default_ratio: float  # the registry's default pick's measured time over the best (nan: not timed)
+
+
+def evaluate(rows: Sequence[Row], target: Target) -> list[HeldOut]:
+    """Leave-one-shape-out over ``rows``: for each problem, train on the other
+    problems of its operator and judge the pick on the held-out one. An operator
+    with a single problem is skipped (nothing to train on)."""
+    from scipy.stats import spearmanr
+
+    problems = sorted({r.problem for r in rows}, key=lambda p: (p.op, p.key()))
+    results = []
+    for held in problems:
+        train = [r for r in rows if r.problem.op == held.op and r.problem != held]
+        test = [r for r in rows if r.problem == held]
+        if not train:
+            continue
+        model = CostModel.train(train, target)
+        if not model.covers(held.op):
+            continue
+        predicted = model.predict_many(held, [(r.candidate, r.knobs) for r in test])
+        measured = np.array([r.seconds for r in test])
+        pick = test[int(np.argmin(predicted))]
+        rho = spearmanr(predicted, measured).statistic if len(test) > 2 else float("nan")
+        default = registry.default_candidate(held, target)
+        default_knobs = default.default_for(held, target)
+        timed_default = [r.seconds for r in test if r.candidate == default.name and r.knobs == default_knobs]
+        results.append(HeldOut(
+            held.key(), len(test), f"{pick.candidate} [{pick.knobs}]", pick.seconds / measured.min(),
+            float(rho), timed_default[0] / measured.min() if timed_default else float("nan")))
+    return results
+
+
+def report(results: Sequence[HeldOut]) -> str:
+    """The leave-one-shape-out table, one held-out problem a line."""
+    lines = [f"{'held-out problem':48} {'configs':>7} {'pick/best':>9} {'default/best':>12} {'spearman':>8}  pick"]
+    for r in results:
+        lines.append(f"{r.problem:48} {r.configs:7d} {r.ratio:9.3f} {r.default_ratio:12.3f} {r.spearman:8.3f}"
+                     f"  {r.pick}")
+    if results:
+        defaults = [r.default_ratio for r in results if not math.isnan(r.default_ratio)]
+        rhos = [r.spearman for r in results if not math.isnan(r.spearman)]
+        lines.append(f"over {len(results)} held-out problems: geometric mean pick/best "
+                     f"{_geomean([r.ratio for r in results]):.3f}"
+                     + (f", default/best {_geomean(defaults):.3f}" if defaults else "")
+                     + (f", mean spearman {statistics.mean(rhos):.3f}" if rhos else ""))
+    return "\n".join(lines)
+
+
+def _geomean(values: Sequence[float]) -> float:
+    return math.exp(statistics.mean(math.log(v) for v in values))
+
+
+__all__ = ["CostModel", "HeldOut", "Ranked", "Row", "Schema", "database_folder", "evaluate", "find", "model_file",
+           "problem_features", "report", "thinned", "training_rows"]
