@@ -54,7 +54,6 @@ import statistics
 from collections.abc import Iterable, Sequence
 
 import numpy as np
-import tvm
 from tvm.target import Target
 
 from . import records, registry, targets
@@ -204,10 +203,7 @@ def training_rows(log_dirs: str | os.PathLike | Iterable[str | os.PathLike], tar
             if not record.run_secs or "tvm_fusion.problem" not in func.attrs:
                 continue
             problem = problem_of(func)
-            sch = tvm.s_tir.Schedule(record.workload.mod)
-            record.trace.apply_to_schedule(sch, remove_postproc=False)
-            candidate, knobs = registry.annotated_choice(sch, problem.op)
-            seconds = statistics.median(float(s) for s in record.run_secs)
+            candidate, knobs, seconds, _ = registry.replayed_choice(record, problem.op)
             timed.setdefault((problem, candidate, knobs), []).append(seconds)
     return [Row(p, c, k, statistics.median(s)) for (p, c, k), s in timed.items()]
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import statistics
 
 import tvm
 from tvm.target import Target
@@ -82,13 +81,8 @@ def records_of(problem: Problem, target: Target, log_dir: str | os.PathLike | No
             if not db.has_workload(mod):
                 continue
             for record in db.get_top_k(db.commit_workload(mod), RECORDS_READ):
-                if not record.run_secs:
-                    continue
-                sch = tvm.s_tir.Schedule(mod)
-                record.trace.apply_to_schedule(sch, remove_postproc=False)
-                candidate, knobs = registry.annotated_choice(sch, problem.op)
-                seconds = statistics.median(float(s) for s in record.run_secs)
-                found.append(Found(candidate, knobs, seconds, sch.mod, str(path)))
+                if record.run_secs:
+                    found.append(Found(*registry.replayed_choice(record, problem.op), str(path)))
     return found
 
 

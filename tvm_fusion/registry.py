@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import statistics
 from collections.abc import Iterator
 from typing import Any, ClassVar
 
@@ -140,6 +141,15 @@ def annotated_choice(sch: s_tir.Schedule, op: str) -> tuple[str, Knobs]:
     name = str(notes[CANDIDATE_ANNOTATION])
     values = {k[len(KNOB_ANNOTATION):]: int(v) for k, v in notes.items() if k.startswith(KNOB_ANNOTATION)}
     return name, get(name).knobs(**values)
+
+
+def replayed_choice(record: Any, op: str) -> tuple[str, Knobs, float, Any]:
+    """A timed tuning record's ``(candidate, knobs, median seconds, scheduled module)``:
+    its trace replayed on its workload, the choice read from the annotations."""
+    sch = s_tir.Schedule(record.workload.mod)
+    record.trace.apply_to_schedule(sch, remove_postproc=False)
+    candidate, knobs = annotated_choice(sch, op)
+    return candidate, knobs, statistics.median(float(s) for s in record.run_secs), sch.mod
 
 
 class _SampledKnobs:

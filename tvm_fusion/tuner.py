@@ -217,19 +217,31 @@ def measure_default(problem: Problem, target: Target, builder: Any, runner: Any,
     so the tuner's pick is never slower than the default it replaces (seen on the H200:
     a 10-trial tune that never sampled the default could return a slower program)."""
     cand = registry.default_candidate(problem, target)
-    sch = cand.apply(prim_func(problem, cand.algorithm), target)
-    (built,) = builder.build([ms.builder.BuilderInput(sch.mod, target)])
-    if built.error_msg:
-        return False
-    args_info = ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"])
+    return bool(measure_into(database, target, builder, runner, [(problem, cand, cand.default_for(problem, target))]))
+
+
+def measure_into(database: Any, target: Target, builder: Any, runner: Any,
+                 configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]]) -> list[float]:
+    """Build, time and log each ``(problem, candidate, knobs)`` as a tuning record of
+    ``database``; a configuration that fails to build or run (too many threads for
+    the block, say) is skipped. Returns the median seconds of those logged."""
     device_type = "cuda" if target.kind.name == "cuda" else "cpu"  # as MetaSchedule names devices
-    (future,) = runner.run([ms.runner.RunnerInput(built.artifact_path, device_type, args_info)])
-    result = future.result()
-    if result.error_msg or not result.run_secs:
-        return False
-    workload = database.commit_workload(tvm.IRModule({"main": prim_func(problem, cand.algorithm)}))
-    database.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, result.run_secs, target, args_info))
-    return True
+    funcs = [prim_func(problem, cand.algorithm) for problem, cand, _ in configs]
+    schedules = [cand.apply(func, target, knobs=knobs) for func, (_, cand, knobs) in zip(funcs, configs)]
+    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
+    ready = [(func, sch, ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]), result)
+             for func, sch, result in zip(funcs, schedules, built) if not result.error_msg]
+    futures = runner.run([ms.runner.RunnerInput(result.artifact_path, device_type, args_info)
+                          for _, _, args_info, result in ready])
+    logged = []
+    for (func, sch, args_info, _), future in zip(ready, futures):
+        result = future.result()
+        if result.error_msg or not result.run_secs:
+            continue
+        workload = database.commit_workload(tvm.IRModule({"main": func}))
+        database.commit_tuning_record(ms.database.TuningRecord(sch.trace, workload, result.run_secs, target, args_info))
+        logged.append(float(np.median([float(s) for s in result.run_secs])))
+    return logged
 
 
 def _no_interactive_table() -> None:
@@ -341,29 +353,12 @@ def grid_records(
     configs = grid_configs(problems, target, max_configs)
     database = records.json_database(records.folder(log_dir, target))
     builder, runner = InProcessBuilder(), make_runner(runner_timeout)
-    device_type = "cuda" if target.kind.name == "cuda" else "cpu"  # as MetaSchedule names devices
-    written, done, best = 0, 0, float("inf")
+    written, best = 0, float("inf")
     with tvm.transform.PassContext(opt_level=3), target:
         for start in range(0, len(configs), GRID_BATCH):
-            batch = configs[start:start + GRID_BATCH]
-            schedules = [cand.apply(prim_func(problem, cand.algorithm), target, knobs=knobs)
-                         for problem, cand, knobs in batch]
-            built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
-            ready = [(item, sch, result) for item, sch, result in zip(batch, schedules, built) if not result.error_msg]
-            inputs = [ms.runner.RunnerInput(result.artifact_path, device_type,
-                                            ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]))
-                      for _, sch, result in ready]
-            for ((problem, cand, _), sch, _), given, future in zip(ready, inputs, runner.run(inputs)):
-                result = future.result()
-                if result.error_msg or not result.run_secs:
-                    continue
-                workload = database.commit_workload(tvm.IRModule({"main": prim_func(problem, cand.algorithm)}))
-                database.commit_tuning_record(
-                    ms.database.TuningRecord(sch.trace, workload, result.run_secs, target, given.args_info))
-                written += 1
-                best = min(best, float(np.median([float(s) for s in result.run_secs])))
-            done += len(batch)
+            logged = measure_into(database, target, builder, runner, configs[start:start + GRID_BATCH])
+            written, best = written + len(logged), min([best, *logged])
             if progress is not None:
-                progress(done, best)
+                progress(min(start + GRID_BATCH, len(configs)), best)
     records.invalidate()
     return written

@@ -117,6 +117,16 @@ class _View:
         self.input_shape = tuple(input.shape)
         self.kernel_shape = self.shape  # the problem's canonical view, set by the launcher
 
+    def kernel(self, input: torch.Tensor, make_problem: Callable[..., Any], op: str = OP, **options: Any) -> tuple:
+        """``(problem, kernel, kind)``: ``make_problem(shape, dtype, layout, **options)``
+        on this view (whose kernel shape becomes the problem's), dispatch's kernel for
+        it on the input's device, and the input's array kind (outputs are allocated
+        from it; ``op`` names the call in its errors)."""
+        problem = make_problem(self.shape, str(input.dtype).removeprefix("torch."), self.layout, **options)
+        self.kernel_shape = problem.shape
+        kernel = kernel_for(problem, targets.for_device(input.device.type))
+        return problem, kernel, arrays.Kind(arrays.inspect(input, op, "input"))
+
     def to_kernel(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` (of the input's shape) as the kernel's contiguous array: a view, or a
         copy when its strides (or 16-byte alignment) differ."""
@@ -191,12 +201,9 @@ def _forward_launcher(key, input, running_mean, running_var, weight, bias, train
                     ("bias", bias)):
         _check_vector(name, t, channels, input.device)
     affine, track = weight is not None or bias is not None, running_mean is not None
-    problem = bn_forward_problem(view.shape, str(input.dtype).removeprefix("torch."), view.layout, affine,
-                                 training, track, eps)
-    view.kernel_shape = problem.shape
-    kernel = kernel_for(problem, targets.for_device(input.device.type))
+    problem, kernel, kind = view.kernel(input, bn_forward_problem, affine=affine, training=training,
+                                        track_running=track, eps=eps)
     func, device, updates = kernel.func, input.device, problem.updates_running
-    kind = arrays.Kind(arrays.inspect(input, OP, "input"))
     new_y, new_vector = view.output(kind, kernel.outputs[0][2]), kind.allocator((channels,), "float32")
     weight_of, bias_of = _parameter(channels, device, 1.0), _parameter(channels, device, 0.0)
 
@@ -240,12 +247,8 @@ def backward(grad: torch.Tensor, input: torch.Tensor, save_mean: torch.Tensor, s
 def _backward_launcher(key, input, weight, training):
     view = _View(input)
     channels, device, dtype = input.shape[1], input.device, input.dtype
-    problem = bn_backward_problem(view.shape, str(dtype).removeprefix("torch."), view.layout, weight is not None,
-                                  training)
-    view.kernel_shape = problem.shape
-    kernel = kernel_for(problem, targets.for_device(device.type))
+    _, kernel, kind = view.kernel(input, bn_backward_problem, affine=weight is not None, training=training)
     func, affine = kernel.func, weight is not None
-    kind = arrays.Kind(arrays.inspect(input, OP, "input"))
     new_dx, new_vector = view.output(kind, kernel.outputs[0][2]), kind.allocator((channels,), "float32")
     weight_of = _parameter(channels, device, 1.0)
 

@@ -64,10 +64,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import arrays, records, targets
+from .. import records
 from ..api import bn_stats
 from ..contracts.bn_backward_dx import bn_backward_dx_problem
-from ..dispatch import kernel_for
 from .batch_norm import KERNEL_DTYPES, _BatchNormMixin, _float32, _parameter, _View, backward, forward, output_format
 
 OP = "tvm_fusion.torch.sync_batch_norm"
@@ -249,11 +248,9 @@ def backward_dx(grad: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, inv
 def _dx_launcher(key, input, weight):
     view = _View(input)
     channels, device, dtype = input.shape[1], input.device, input.dtype
-    problem = bn_backward_dx_problem(view.shape, str(dtype).removeprefix("torch."), view.layout, weight is not None)
-    view.kernel_shape = problem.shape
-    kernel = kernel_for(problem, targets.for_device(device.type))
+    _, kernel, kind = view.kernel(input, bn_backward_dx_problem, OP, affine=weight is not None)
     func, affine = kernel.func, weight is not None
-    new_dx = view.output(arrays.Kind(arrays.inspect(input, OP, "input")), kernel.outputs[0][2])
+    new_dx = view.output(kind, kernel.outputs[0][2])
     weight_of = _parameter(channels, device, 1.0)
 
     def launch(grad, input, mean, invstd, weight, mean_dy, mean_dy_xhat):
