@@ -16,10 +16,12 @@ Kernel 1, grid (C, splits): bn_stats_split_plane's kernel 1 on two inputs.
 1. L is split by ``vector``, (n, l_outer) fused and cut into ``splits`` equal runs,
    the run index rfactored out (``grad_sums_rf``, a (splits, C) pair of float32
    partials in global memory).
-2. Each block reduces its run ``[threadIdx.x, serial, vector]``: x and dy staged
-   through registers with 16-byte loads, ``dy`` and ``dy * xhat`` accumulated in
-   float32, then ``__shfl_down_sync`` and one shared-memory hop (accumulators zeroed
-   before the guarded loop by the cross-thread lowering, as in bn_forward_split_plane).
+2. Each block reduces its run ``[threadIdx.x, serial, batch, vector]``: x and dy
+   staged through registers with 16-byte loads (``unroll`` of each a lane, issued
+   together), ``dy`` and ``dy * xhat`` accumulated in float32, then
+   ``__shfl_down_sync`` and one shared-memory hop (as in bn_forward_split_plane: the
+   default knobs leave no guard; where one remains, the accumulators are zeroed
+   before the guarded loop by the cross-thread lowering).
 Kernel 2, grid (C,), FINALIZE_THREADS lanes:
 3. The block sums the channel's ``splits`` partials across its lanes (shuffles).
 4. Thread 0 writes ``dweight`` and ``dbias`` and, in training, the coefficients
@@ -39,8 +41,11 @@ the map in kernel 2 (C blocks again); a grid barrier between the sums and
 the map (TensorIR has no grid-wide sync); atomicAdd of the partials
 (order-dependent results and a zeroing pass).
 
-On the H200 (results/benchmarks.csv, 2026-12-01 at 32f74c8), behind dispatch's forward
-pick: forward + backward kernels 0.2246 ms on 64x256x56x56 fp16, 0.1125 on 32x64x112x112.
+On the H200 (results/benchmarks.csv), behind dispatch's forward pick: forward + backward
+kernels 0.2246 ms on 64x256x56x56 fp16, 0.1125 on 32x64x112x112 (2026-12-01 at 32f74c8).
+The backward alone on 64x256x56x56 is at 92-93% of the copy bandwidth for its five passes
+(0.1318 ms guarded, 0.1336 with the even, batched kernel 1: A/B of 2026-12-02), so only
+fewer passes would make it faster.
 """
 
 from __future__ import annotations

@@ -14,12 +14,15 @@ Kernel 1, grid (C, splits): bn_stats_split_plane's kernel 1.
 1. L is split by ``vector``, (n, l_outer) fused and cut into ``splits`` equal runs,
    the run index rfactored out (``moments_rf``, a (splits, C) pair of float32
    partials in global memory).
-2. Each block reduces its run ``[threadIdx.x, serial, vector]``, x staged through
-   registers with 16-byte loads, ``d = x - K[c]`` accumulated in float32, then
-   ``__shfl_down_sync`` and one shared-memory hop. K[c] = x[0, c, 0] is read where used.
-   The cross-thread lowering zeroes the accumulators before the guarded loop, and
-   with a serial loop of one step (2x3x1000) the guard stays on the accumulation, off
-   the barriers and the write-back (tests/test_bn_split_plane.py checks the code).
+2. Each block reduces its run ``[threadIdx.x, serial, batch, vector]``, x staged
+   through registers with 16-byte loads (``unroll`` of them a lane, issued together),
+   ``d = x - K[c]`` accumulated in float32, then ``__shfl_down_sync`` and one
+   shared-memory hop. K[c] = x[0, c, 0] is read where used; the default knobs
+   (``even_partials``) leave the loop unguarded, so nvcc loads it once. Where a guard
+   remains, the cross-thread lowering zeroes the accumulators before the guarded
+   loop, and with a serial loop of one step (2x3x1000) the guard stays on the
+   accumulation, off the barriers and the write-back (tests/test_bn_split_plane.py
+   checks the code).
 Kernel 2, grid (C,), FINALIZE_THREADS lanes:
 3. The block sums the channel's ``splits`` partials across its lanes (shuffles).
 4. Thread 0 runs every per-channel step: ``mean`` and ``var`` (``local``, which
@@ -41,9 +44,11 @@ in kernel 2 (C blocks again); a grid barrier between the sums and the map
 (TensorIR has no grid-wide sync); atomicAdd of the partials (order-dependent results
 and a zeroing pass).
 
-On the H200 (results/benchmarks.csv, 2026-12-01 at 32f74c8): 64x256x56x56 fp16 0.0900 ms,
-81% of the copy bandwidth for its three passes (2 reads and a write of x); 32x64x112x112
-0.0447; 256x2048x7x7 0.0960 (not preferred there: persistent 0.0600).
+On the H200 (results/benchmarks.csv): 64x256x56x56 fp16 0.0826 ms, 89% of the copy
+bandwidth for its three passes (2 reads and a write of x), against 0.0910 with kernel 1
+guarded and one load in flight (A/B of 2026-12-02); 32x64x112x112 0.0450 (its old split
+was even already: 0.0452); 256x2048x7x7 0.0960 (not preferred there: persistent 0.0600,
+2026-12-01 at 32f74c8).
 """
 
 from __future__ import annotations

@@ -10,9 +10,11 @@ Kernel 1, grid (C, splits): Stage 1 of Triton's layer-norm backward, here forwar
 1. L is split by ``vector``, (n, l_outer) fused and cut into ``splits`` equal runs,
    the run index rfactored out (``moments_rf``, a (splits, C) pair of float32
    partials in global memory: the workspace).
-2. Each block reduces its run ``[threadIdx.x, serial, vector]``, x staged through
-   registers with 16-byte loads, ``d = x - K[c]`` accumulated in float32, then
-   ``__shfl_down_sync`` and one shared-memory hop.
+2. Each block reduces its run ``[threadIdx.x, serial, batch, vector]``, x staged
+   through registers with 16-byte loads (a batch of ``unroll`` of them issued
+   together), ``d = x - K[c]`` accumulated in float32, then ``__shfl_down_sync`` and
+   one shared-memory hop. The default knobs deal the run out evenly
+   (``even_partials``): no bounds guard in the loop.
 Kernel 2, grid (C,): Stage 2.
 3. One block per channel sums the ``splits`` partials across its lanes (shuffles)
    and thread 0 writes mean and var. The shift K[c] = x[0, c, 0] is read where used.
@@ -30,10 +32,10 @@ from tvm.target import Target
 
 from tvm_fusion.contracts import BNStatsProblem
 from tvm_fusion.registry import Candidate, Knobs, register
-from tvm_fusion.targets import sm_count
 
 from ..common import lanes_split, single_thread
-from .common import BLOCKS_PER_SM, FINALIZE_THREADS, split_plane_partials, widest_vector
+from .common import (FINALIZE_THREADS, PARTIAL_BATCHES, PARTIAL_THREADS, even_partials, prefers_split_plane,
+                     split_plane_partials, widest_vector)
 
 
 @dataclass(frozen=True)
@@ -41,7 +43,7 @@ class SplitPlaneKnobs(Knobs):
     splits: int = 8
     threads: int = 256
     vector: int = 8
-    unroll: int = 8
+    unroll: int = 4  # vectors a lane loads before it sums them
 
 
 @register
@@ -66,28 +68,27 @@ class BNStatsSplitPlane(Candidate):
         return [s for s in range(2, 257) if run % s == 0 and run // s >= 32]
 
     def prefers(self, problem: BNStatsProblem, target: Target) -> bool:
-        # Fewer channels than SMs: a block per channel leaves SMs idle. H200 bench of
-        # 2026-11-29 (results/benchmarks.csv): 32x64x112x112 fp16 0.0166 ms against
-        # 0.0317 for a block per channel; 8x3x224x224 0.0045 against 0.0303; but
-        # 64x256x56x56 (256 channels) 0.0400 against 0.0350.
-        return problem.channels < sm_count(target) and problem.count >= 16384
+        # Fewer channels than two an SM (SplitPlaneMapCandidate's rule): a block per
+        # channel leaves SMs idle or lightly loaded. H200 bench of 2026-11-29
+        # (results/benchmarks.csv): 32x64x112x112 fp16 0.0166 ms against 0.0317 for a
+        # block per channel; 8x3x224x224 0.0045 against 0.0303. 64x256x56x56 (256
+        # channels) took 0.0400 against 0.0350 with a guarded kernel 1, and 0.0280
+        # against 0.0349 once its run was dealt out evenly (even_partials, A/B of
+        # 2026-12-02).
+        return prefers_split_plane(problem, target)
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
         return {
             "splits": self._splits(problem),
-            "threads": [128, 256, 512],
+            "threads": list(PARTIAL_THREADS),
             "vector": [widest_vector(problem.dtype, problem.shape[2])],
-            "unroll": [1, 4, 8, 16],
+            "unroll": list(PARTIAL_BATCHES),
         }
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> SplitPlaneKnobs:
-        vector = widest_vector(problem.dtype, problem.shape[2])
-        options = self._splits(problem)
-        wanted = -(-(BLOCKS_PER_SM * sm_count(target)) // problem.channels)
-        splits = min((s for s in options if s >= wanted), default=options[-1])
-        per_block = problem.count // (splits * vector)
-        threads = 512 if per_block >= 512 * 8 else (256 if per_block >= 256 * 2 else 128)
-        return SplitPlaneKnobs(splits=splits, threads=threads, vector=vector, unroll=8)
+        splits, threads, batch = even_partials(problem, target)
+        return SplitPlaneKnobs(splits=splits, threads=threads, vector=widest_vector(problem.dtype, problem.shape[2]),
+                               unroll=batch)
 
     def schedule(self, sch, problem: BNStatsProblem, knobs) -> None:
         # 1-2. Kernel 1: (n, l / vector) cut into `splits` runs, the run index

@@ -292,12 +292,17 @@ def knobs_value(sch: s_tir.Schedule, knob: Any) -> int:
 # Few channels for the SMs, and long planes: a block per channel leaves SMs idle or
 # lightly loaded. H200 bench of 2026-11-29 (results/benchmarks.csv), bn_stats:
 # 32x64x112x112 fp16 0.0166 ms split against 0.0317 a block per channel, 8x3x224x224
-# 0.0045 against 0.0303, but 64x256x56x56 0.0400 against 0.0350 (one pass over x).
-# The forward and backward make two passes per channel block (the sums, then the
-# map): 256 channels (1.9 blocks an SM) are taken in too, and there the split forward
-# won: 64x256x56x56 fp16 0.0900 ms against 0.0977 (H200, 2026-12-01 at 32f74c8).
+# 0.0045 against 0.0303, and 64x256x56x56 (256 channels, 1.9 blocks an SM) 0.0280
+# against 0.0349 once kernel 1's run had no remainder (even_partials; 0.0400 before,
+# A/B of 2026-12-02). The split forward wins there too: 64x256x56x56 fp16 0.0900 ms
+# against 0.0977 (H200, 2026-12-01 at 32f74c8), 0.0826 with the even kernel 1.
 SPLIT_PLANE_CHANNELS_PER_SM = 2
 SPLIT_PLANE_MIN_COUNT = 16384
+
+
+def prefers_split_plane(problem: Any, target: Target) -> bool:
+    """Few channels for the SMs and long planes (the rule above)."""
+    return problem.channels < SPLIT_PLANE_CHANNELS_PER_SM * sm_count(target) and problem.count >= SPLIT_PLANE_MIN_COUNT
 
 
 def plane_splits(problem: Any) -> list[int]:
@@ -310,12 +315,43 @@ def plane_splits(problem: Any) -> list[int]:
     return [s for s in range(2, 257) if run % s == 0 and run // s >= 32]
 
 
+# Kernel 1's lanes and batches (vectors a lane loads before it sums them).
+PARTIAL_THREADS = (128, 256, 512)
+PARTIAL_BATCHES = (1, 2, 4, 8)
+
+
+def even_partials(problem: Any, target: Target) -> tuple[int, int, int]:
+    """Kernel 1's ``(splits, threads, unroll)`` for a split-plane candidate: a run that
+    a block's ``threads x unroll`` vectors deal out with no remainder. A remainder puts
+    a bounds guard on every step, and nvcc then neither issues a batch's loads together
+    nor hoists the shift ``K[c]`` out of the loop: at 4 splits of 64x256x56x56 (13
+    steps of 512 lanes for 12.25 steps of work) one 16-byte load a lane was in flight
+    and ``K[c]`` was reloaded every step. The widest batch (4, then 2) first, over split
+    counts from the fewest that give ``BLOCKS_PER_SM`` blocks an SM up to four times
+    that, the most lanes first; then batches of one; with no even triple, the old rule
+    (a guard)."""
+    vector = widest_vector(problem.dtype, problem.shape[2])
+    run = problem.count // vector
+    wanted = -(-(BLOCKS_PER_SM * sm_count(target)) // problem.channels)
+    options = plane_splits(problem)
+    near = [s for s in options if wanted <= s <= 4 * wanted] or options
+    for batch in (4, 2, 1):
+        for splits in near:
+            for threads in reversed(PARTIAL_THREADS):
+                if (run // splits) % (threads * batch) == 0:
+                    return splits, threads, batch
+    splits = min((s for s in options if s >= wanted), default=options[-1])
+    per_block = run // splits
+    threads = 512 if per_block >= 512 * 8 else (256 if per_block >= 256 * 2 else 128)
+    return splits, threads, 1
+
+
 @dataclass(frozen=True)
 class SplitPlaneMapKnobs(Knobs):
     splits: int = 8  # blocks per channel in kernel 1
     threads: int = 256  # kernel 1's lanes
     vector: int = 8
-    unroll: int = 8
+    unroll: int = 4  # kernel 1's vectors a lane loads before it sums them
     map_threads: int = 256  # kernel 3's lanes
     map_steps: int = 4  # kernel 3's vectors per lane
 
@@ -330,41 +366,35 @@ class SplitPlaneMapCandidate(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def prefers(self, problem: Any, target: Target) -> bool:
-        return (problem.channels < SPLIT_PLANE_CHANNELS_PER_SM * sm_count(target)
-                and problem.count >= SPLIT_PLANE_MIN_COUNT)
+        return prefers_split_plane(problem, target)
 
     def choices(self, problem: Any, target: Target) -> dict[str, list[int]]:
         return {
             "splits": plane_splits(problem),
-            "threads": [128, 256, 512],
+            "threads": list(PARTIAL_THREADS),
             "vector": [widest_vector(problem.dtype, problem.shape[2])],
-            "unroll": [1, 4, 8, 16],
+            "unroll": list(PARTIAL_BATCHES),
             "map_threads": [128, 256, 512],
             "map_steps": [1, 2, 4, 8],
         }
 
     def default_for(self, problem: Any, target: Target) -> SplitPlaneMapKnobs:
-        """bn_stats_split_plane's rule for kernel 1: the fewest splits that give
-        ``BLOCKS_PER_SM`` blocks an SM, lanes by vectors per block; kernel 3 with 256
-        lanes of 4 vectors (64 bytes in flight a lane per tensor, from first
-        principles: not measured)."""
-        vector = widest_vector(problem.dtype, problem.shape[2])
-        options = plane_splits(problem)
-        wanted = -(-(BLOCKS_PER_SM * sm_count(target)) // problem.channels)
-        splits = min((s for s in options if s >= wanted), default=options[-1])
-        per_block = problem.count // (splits * vector)
-        threads = 512 if per_block >= 512 * 8 else (256 if per_block >= 256 * 2 else 128)
-        return SplitPlaneMapKnobs(splits=splits, threads=threads, vector=vector, unroll=8, map_threads=256,
-                                  map_steps=4)
+        """Kernel 1 by :func:`even_partials`; kernel 3 with 256 lanes of 4 vectors (64
+        bytes in flight a lane per tensor, from first principles: not measured)."""
+        splits, threads, batch = even_partials(problem, target)
+        return SplitPlaneMapKnobs(splits=splits, threads=threads, vector=widest_vector(problem.dtype, problem.shape[2]),
+                                  unroll=batch, map_threads=256, map_steps=4)
 
 
 def split_plane_partials(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: Any) -> None:
     """Kernel 1 of a split-plane candidate, grid (C, splits): the reduction ``name`` over
     each channel's (n, l), L split by ``knobs.vector``, (n, l_outer) fused and cut into
     ``knobs.splits`` runs, the run index rfactored out (a (splits, C) float32 workspace
-    per sum); each block reduces its run ``[threadIdx.x, serial, vector]``, the
-    ``staged`` inputs loaded 16 bytes at a time into registers, then shuffles and one
-    shared-memory hop."""
+    per sum); each block reduces its run ``[threadIdx.x, serial, batch, vector]``: a lane
+    takes ``knobs.unroll`` vectors ``threads`` apart (consecutive lanes on consecutive
+    vectors), the batch loop unrolled so that its 16-byte loads of the ``staged``
+    inputs issue before the sums; then shuffles and one shared-memory hop. With
+    :func:`even_partials`' knobs the run has no remainder, hence no bounds guard."""
     block = sch.get_sblock(name)
     stages = [sch.cache_read(block, read_index(sch, block, buffer), "local", consumer_blocks=[block])
               for buffer in staged]
@@ -375,13 +405,13 @@ def split_plane_partials(sch: s_tir.Schedule, name: str, staged: tuple[str, ...]
     channel, run, within, vec = sch.get_loops(partial)
     sch.bind(channel, "blockIdx.x")
     sch.bind(run, "blockIdx.y")
-    serial, lane = sch.split(within, [None, knobs.threads])
-    sch.reorder(lane, serial, vec)
+    serial, batch, lane = sch.split(within, [None, knobs.unroll, knobs.threads])
+    sch.reorder(lane, serial, batch, vec)
     sch.bind(lane, "threadIdx.x")
-    unroll(sch, serial, knobs.unroll)
     for stage in stages:
-        sch.compute_at(stage, serial, preserve_unit_loops=True)
+        sch.compute_at(stage, batch, preserve_unit_loops=True)
         sch.vectorize(sch.get_loops(stage)[-1])
+    sch.unroll(batch)
 
 
 def finalize_channels(sch: s_tir.Schedule, name: str, steps: list[str]) -> None:
