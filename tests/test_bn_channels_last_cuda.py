@@ -93,8 +93,9 @@ def check_channels_last_source(kernel, problem, knobs, output: str, staged: tupl
     kernel reading it (TVM's merge of loops checks no dependence: a finalize placed
     after the map compiles and reads stale coefficients); the partials written back
     under no row guard (bn_stats_channels_last's lesson: with one row step TVM
-    hoisted the row guard over the write-back); and 16-byte loads of the ``staged``
-    inputs and stores of ``output`` when the vector knob says 16 bytes."""
+    hoisted the row guard over the write-back; to shared memory when rows and splits > 1); and
+    16-byte loads of the ``staged`` inputs and stores of ``output`` when the vector knob
+    says 16 bytes."""
     source = kernel.device_source()
     reduces = problem.op == "bn_backward" or problem.training
     assert ("__shfl_down_sync" in source) == reduces and "atomic" not in source.lower()
@@ -107,8 +108,13 @@ def check_channels_last_source(kernel, problem, knobs, output: str, staged: tupl
         readers = [i for i, (_, params, body) in enumerate(kernels)
                    if f"{buffer}_ptr" in params and buffer not in stored(body)]
         assert writers and all(min(writers) < i for i in readers), f"{knobs}: {buffer} by {writers}, for {readers}"
+    # The lanes' write-back: to the workspace, or with rows > 1 to the block's shared
+    # tile (rows_through_shared; the block's sums, one thread a channel, may then be
+    # guarded by the channel bound alone).
+    tile = "_shared" if "_rf_shared_ptr" in source else ""
+    lanes_store = rf"(?:\*\(float[24]\*\)\()?\w+_rf{tile}_ptr[\[ ]"  # scalar or 8- and 16-byte stores
     for text, opened in scoped_lines(source):
-        if re.match(r"\w+_rf_ptr\[", text):
+        if re.match(lanes_store, text):
             guards = [o for o in opened if o.startswith("if") and ("threadIdx.y" in o or "blockIdx.x" in o)]
             assert not guards, f"{knobs}: partials written under {guards}"
     if knobs.vector * DTYPE_BYTES[problem.dtype] == 16:

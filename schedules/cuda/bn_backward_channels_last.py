@@ -10,7 +10,8 @@ Three kernels (TVM splits the function at its blockIdx bindings):
 Kernel 1, grid (splits, channel groups), block (channel lanes, rows)
 (``common.row_partials``, bn_stats_channels_last's kernel 1):
 1. Rows dealt out ``m = ((s J + j) R + r) U + b``, the partial index ``p = (s, r)``
-   rfactored out into a (C, P) float32 workspace pair.
+   rfactored out, the block's rows summed through shared memory, into a (splits, C)
+   float32 workspace pair.
 2. ``threadIdx.x`` owns ``vector`` consecutive channels: per row one 16-byte load of
    x and one of dy; ``dy`` and ``dy * (x - mean) * invstd`` summed in float32
    registers (mean and invstd loaded once per thread), the partials written once.

@@ -9,9 +9,10 @@ write 16 bytes each, coalesced, and no lane needs another's value before the fin
 Training, three kernels (TVM splits the function at its blockIdx bindings):
 Kernel 1, grid (splits, channel groups), block (channel lanes, rows):
 1. bn_stats_channels_last's partials (``common.row_partials``): rows dealt out
-   ``m = ((s J + j) R + r) U + b``, the partial index ``p = (s, r)`` rfactored out into a
-   (C, P) float32 workspace; ``threadIdx.x`` owns ``vector`` consecutive channels
-   (one 16-byte load of x a row) and sums ``d = x - K[c]``, ``d^2`` in registers.
+   ``m = ((s J + j) R + r) U + b``, the partial index ``p = (s, r)`` rfactored out, the
+   block's rows summed through shared memory, into a (splits, C) float32 workspace;
+   ``threadIdx.x`` owns ``vector`` consecutive channels (one 16-byte load of x a row)
+   and sums ``d = x - K[c]``, ``d^2`` in registers.
 Kernel 2, grid (C,), ``FINALIZE_THREADS`` lanes (``common.channel_finalize``):
 2. The channel's P partials summed across the lanes (shuffles, one shared hop).
 3. Thread 0: ``mean`` and ``var`` into shared memory, then ``bn_scale`` and

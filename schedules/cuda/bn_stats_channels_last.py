@@ -12,11 +12,14 @@ row loop):
 1. Rows are dealt out ``m = ((s J + j) R + r) U + b``: block ``s`` owns a run of rows,
    ``threadIdx.y = r`` takes every R-th batch of U consecutive rows (``unroll``,
    loaded together), so the R U rows of a step are contiguous.
-   The partial index ``p = (s, r)`` is rfactored out (``moments_rf``, C x P float32
-   pairs, channel-major so kernel 2 reads each channel's partials contiguously).
+   The partial index ``p = (s, r)`` is rfactored out (``moments_rf``, P x C float32
+   pairs, partial-major: a lane's partials go out in 16-byte stores).
 2. ``threadIdx.x`` owns ``vector`` consecutive channels (one 16-byte load per row,
    staged in registers) and accumulates ``d = x - K[c]`` and ``d^2`` in registers
-   over its rows (``cache_write`` to ``local``), writing its partials once.
+   over its rows (``cache_write`` to ``local``), writing its partials once: with
+   ``rows`` > 1 (and several blocks) to a shared tile, whose R rows one thread a
+   channel sums into the block's partial (``common.rows_through_shared``), so the
+   workspace holds ``splits`` partials a channel, not ``splits x rows``.
 Kernel 2, grid (C,):
 3. One block per channel sums its P partials across lanes (``__shfl_down_sync``)
    and thread 0 writes mean and var.

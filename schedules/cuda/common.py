@@ -563,14 +563,37 @@ def channels_last_grid(sch: s_tir.Schedule, run: LoopRV, lane_row: LoopRV, step:
     return lane
 
 
+# float32 values in one 16-byte store (TVM's CUDA codegen has no float32x8).
+STORE_FLOATS = 4
+# The largest shared tile of a block's lane partials (rows_through_shared): a quarter
+# of an H200 SM's shared memory, so four such blocks fit.
+SHARED_TILE_BYTES = 32 * 1024
+
+
+def float_stores(sch: s_tir.Schedule, block: SBlockRV) -> None:
+    """A lane's write-back of consecutive float32 values (its channels), ``STORE_FLOATS``
+    a store, when its innermost loop is a serial run of a multiple of them."""
+    inner = sch.get_loops(block)[-1]
+    loop = sch.get(inner)
+    extent = int(loop.extent)
+    if loop.thread_binding is None and extent > 1:
+        width = min(STORE_FLOATS, extent)
+        if extent % width == 0:
+            sch.vectorize(sch.split(inner, [None, width])[1])
+
+
 def row_partials(sch: s_tir.Schedule, name: str, knobs, staged: tuple[str, ...], inline: tuple[str, ...] = ()) -> None:
     """Kernel 1 of a channels-last reduction: per-thread partials of the block ``name``
-    (a reduction over M per channel), in a ``(C, P)`` float32 workspace.
+    (a reduction over M per channel), in a ``(P, C)`` float32 workspace.
 
     1. Rows dealt out to (block ``s``, lane ``r``) in batches of ``unroll``
        consecutive rows, the partial index ``p = (s, r)``
-       rfactored out (``<name>_rf``, channel-major so the finalize reads a channel's
-       partials contiguously).
+       rfactored out (``<name>_rf``, partial-major: a lane writes its ``vector``
+       channels' partials with 16-byte stores and a warp's lanes write one contiguous
+       run). Channel-major, each of a lane's partials went to its own 32-byte sector:
+       on 64x56x56x256 bf16 (P = 3136) 1.6 M scattered 4-byte stores a sum, and the
+       partials kernel took 53 us where the map, moving twice the bytes, took 53 (H200,
+       2026-12-02, per-kernel profile).
     2. ``threadIdx.x`` owns ``vector`` consecutive channels: the ``staged`` inputs come
        through registers with one 16-byte load a row, per-channel inputs (a (C,)
        buffer: the backward's mean and invstd) once per thread; the sums stay in
@@ -595,18 +618,55 @@ def row_partials(sch: s_tir.Schedule, name: str, knobs, staged: tuple[str, ...],
     # channels_last_map), so each register stage's box is exactly its rows.
     run, step, lane_row, batch = sch.split(row, [knobs.splits, None, knobs.rows, knobs.unroll])
     sch.reorder(channel, run, lane_row, step, batch)
-    partial = sch.rfactor(sch.fuse(run, lane_row), factor_axis=1)
+    partial = sch.rfactor(sch.fuse(run, lane_row), factor_axis=0)
     write_backs = [sch.cache_write(partial, index, "local") for index in range(len(sch.get(partial).writes))]
     channel, p, step, batch = sch.get_loops(partial)
     run, lane_row = sch.split(p, [knobs.splits, knobs.rows])
     lane = channels_last_grid(sch, run, lane_row, step, channel, knobs, batch)
     for write_back in write_backs:
         sch.reverse_compute_at(write_back, lane)
+        float_stores(sch, write_back)
     registers_per_thread(sch, partial, lane)
     for stage in stages:
         batched_loads(sch, stage, step)
     sch.unroll(batch)
     sch.decompose_reduction(partial, step)  # zero every partial, rows or not
+    rows, group = knobs_value(sch, knobs.rows), knobs_value(sch, knobs.channel_lanes) * knobs_value(sch, knobs.vector)
+    # One block (splits = 1): its rows are the partials. A tile past SHARED_TILE_BYTES
+    # stays in global memory (the 48 KB static limit: rows=4 of 256 lanes x 8 channels,
+    # two sums, is 64 KB, and NVRTC refused the kernel on the H200).
+    if rows > 1 and knobs_value(sch, knobs.splits) > 1 and rows * group * 4 * len(write_backs) <= SHARED_TILE_BYTES:
+        rows_through_shared(sch, name, knobs, sch.get_loops(partial)[1], write_backs)
+
+
+def rows_through_shared(sch: s_tir.Schedule, name: str, knobs, group: LoopRV, write_backs: list) -> None:
+    """Kernel 1's partials of a block's ``rows`` lane rows summed in the block: the
+    lanes' write-backs go to shared memory, a ``(rows, channels)`` tile a sum, and the
+    block's threads, one channel each, add a channel's ``rows`` values in registers and
+    store one partial per (block, channel) (``<name>`` rfactored again over the split
+    index). The finalize then reads ``splits`` partials a channel, not ``splits x rows``
+    (64x56x56x256: 392, not 3136, and a 0.8 MB workspace, not 6.4)."""
+    for write_back in write_backs:
+        sch.set_scope(write_back, 0, "shared")
+    final = sch.get_sblock(name)
+    _, p = sch.get_loops(final)
+    split, _ = sch.split(p, [knobs.splits, knobs.rows])
+    block_sums = sch.rfactor(split, factor_axis=0)
+    sch.reverse_compute_at(block_sums, group)
+    sums_out = [sch.cache_write(block_sums, index, "local") for index in range(len(sch.get(block_sums).writes))]
+    loops = sch.get_loops(block_sums)
+    at = next(i for i, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(group)))
+    below = loops[at + 1:]
+    if len(below) == 1:  # one channel a group: its unit loop folded away
+        below = [below[0], sch.add_unit_loop(block_sums)]
+    rows, channels = below
+    sch.reorder(channels, rows)
+    _, lane_row, lane = sch.split(channels, [None, knobs.rows, knobs.channel_lanes])
+    sch.bind(lane_row, "threadIdx.y")
+    sch.bind(lane, "threadIdx.x")
+    sch.unroll(rows)
+    for out in sums_out:
+        sch.reverse_compute_at(out, lane)
 
 
 def channel_finalize(sch: s_tir.Schedule, reduced: str, consumers: list[str]) -> None:
