@@ -20,10 +20,12 @@ from .cuda import (  # noqa: F401
     bn_backward_dx_block_per_channel,
     bn_backward_dx_channels_last,
     bn_backward_persistent,
+    bn_backward_small_plane,
     bn_backward_split_plane,
     bn_forward_block_per_channel,
     bn_forward_channels_last,
     bn_forward_persistent,
+    bn_forward_small_plane,
     bn_forward_split_plane,
     bn_stats_block_per_channel,
     bn_stats_channels_last,
@@ -78,6 +80,7 @@ DISPATCH_ORDER = {
     ],
     # The channels-last candidates take the (M, C) view, the others the (N, C, L) one.
     ("bn_backward", "cuda"): [
+        "bn_backward_small_plane",
         "bn_backward_persistent",
         "bn_backward_channels_last",
         "bn_backward_split_plane",
@@ -89,6 +92,7 @@ DISPATCH_ORDER = {
         "bn_backward_dx_block_per_channel",
     ],
     ("bn_forward", "cuda"): [
+        "bn_forward_small_plane",
         "bn_forward_persistent",
         "bn_forward_channels_last",
         "bn_forward_eval_channels_last",
