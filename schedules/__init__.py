@@ -31,6 +31,7 @@ from .cuda import (  # noqa: F401
     bn_stats_channels_last,
     bn_stats_split_plane,
     bn_stats_warp_per_channel,
+    cross_entropy_aligned_rows,
     cross_entropy_block_per_row,
     cross_entropy_grad_block_per_row,
     cross_entropy_grad_from_lse_block_per_row,
@@ -51,6 +52,7 @@ DISPATCH_ORDER = {
         "bn_stats_block_per_channel",
     ],
     ("cross_entropy", "cuda"): [
+        "cross_entropy_aligned_rows",
         "cross_entropy_warp_per_row",
         "cross_entropy_row_in_shared",
         "cross_entropy_online",

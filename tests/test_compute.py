@@ -71,6 +71,30 @@ def test_ce_decompositions(algorithm, reduction, weighted, smoothing):
     assert first_bad[0] == batch
 
 
+
+@pytest.mark.parametrize("dtype, classes", [("float16", 1001), ("bfloat16", 1003), ("float32", 1001), ("float32", 1002)])
+@pytest.mark.parametrize("weighted, smoothing", [(False, 0.0), (True, 0.2)])
+def test_ce_aligned_online_every_row_residue(dtype, classes, weighted, smoothing):
+    """``aligned_online`` cuts rows at the flat 16-byte granules: 17 rows give every
+    start residue (so every head and tail length) in 16-bit rows and float32 rows."""
+    gen = rng()
+    batch = 17
+    logits = random_floats(gen, (batch, classes), dtype, scale=3.0)
+    target = gen.integers(0, classes, batch)
+    target[:4] = [0, classes - 1, 1, classes - 2]  # classes only the head or the tail reads
+    target[[5, 9]] = -100
+    weight = gen.random(classes).astype(np.float32) + 0.1 if weighted else None
+    problem = cross_entropy_problem(
+        logits.shape, dtype, target.shape, "int64", None if weight is None else weight.shape,
+        "float32", -100, "none", smoothing,
+    )
+    inputs = [logits, target] + ([weight] if weighted else [])
+    loss, first_bad = run_unscheduled(prim_func(problem, "aligned_online"), inputs)
+    ref = ce_ref.reference(logits, target, weight, -100, "none", smoothing)
+    tol = TOLERANCES[dtype]
+    assert_close(loss.reshape(ref.shape), ref, tol["rtol"], tol["atol"], "aligned_online loss")
+    assert first_bad[0] == batch
+
 BN_TRAIN_SHAPES = [((3, 4, 5, 6), "NCHW"), ((2, 5, 3, 4), "NHWC"), ((7, 3), "NCHW"), ((2, 3, 11), "NCHW")]
 
 

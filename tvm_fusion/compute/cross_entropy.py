@@ -1,6 +1,6 @@
 """Algorithm level of cross_entropy: row reductions, a scalar transform, a batch reduction.
 
-Two decompositions of the per-row log-sum-exp, as TE compute:
+Decompositions of the per-row log-sum-exp, as TE compute:
 
 ``three_pass``  ``x(SR) -> max(S) -> exp, sum(S) -> row_loss(S) -> batch(R)``
     1. row_max[i]    = max_k x[i, k]
@@ -15,6 +15,26 @@ Two decompositions of the per-row log-sum-exp, as TE compute:
     4. row_loss as above.
 ``three_pass_poly_exp``  ``three_pass`` with exp as a polynomial after range
     reduction (``poly_exp``), for targets whose vector units have no exp (LLVM).
+``aligned_online``  ``x(SRR) -> granule (max, sumexp)(SS) -> (max, sumexp)(S) + edges(S) -> row_loss(S) -> batch(R)``
+    ``online`` over the 16-byte granules of the flat logits, for rows whose byte
+    length is not a multiple of 16 (row i starts at element iV, off the 16-byte grid
+    for all rows but one in c). With a_i = (iV) mod c (the row's start in its granule)
+    and n = floor(V / c) - 1 body granules (the fewest any residue leaves inside the
+    row, so the index space is rectangular; V >= 2c):
+    1. chunk_max[i, j]    = max_v x[i, col(i, j, v)],  col = c floor(iV/c) - iV + c (min(j, n-1) + 1) + v
+       (= c (j + 1) - a_i + v; written so the flat index iV + col is visibly a multiple
+       of c plus v, which TVM's CUDA codegen needs to emit one 16-byte load; the
+       clamp is a no-op here and lets a schedule's ragged split load unguarded)
+    2. chunk_sumexp[i, j] = sum_v exp(x[i, col] - chunk_max[i, j])   (+ smoothing sums)
+    3. (row_online sumexp, max)[i] = online_logsumexp_j over the n granules
+    4. edges, e in [0, 3c - 2): e < c the head's granule (element e - a_i, inside when
+       e >= a_i), else the tail (element c n + e - a_i, inside when < V):
+       edge_max[i] = max_e x_e,  edge_sumexp[i] = sum_e exp(x_e - edge_max[i])   (+ smoothing sums)
+    5. the join: row_max = max(m_b, m_e), row_sumexp = s_b e^(m_b - row_max) + s_e e^(m_e - row_max),
+       row_extra{n} = body + edge smoothing sums; then row_loss as above.
+    Same float32 numerics as ``online``; a schedule lays each granule's register stage
+    out by the flat granules ((iV + k) / c, (iV + k) mod c) so its c values sit at
+    constant register indices (schedules/cuda/cross_entropy_aligned_rows.py).
 
 Then the batch stage (not for reduction="none"):
     4. (total, denom, first_bad) = (sum_i row_loss[i], sum_i w[t_i] [t_i valid], min bad row)
@@ -51,7 +71,13 @@ from .primitives import (
     widen,
 )
 
-ALGORITHMS = ("three_pass", "online", "three_pass_poly_exp")
+ALGORITHMS = ("three_pass", "online", "three_pass_poly_exp", "aligned_online")
+VECTOR_BYTES = 16  # one aligned load of ``aligned_online``'s granules
+
+
+def granule(dtype: str) -> int:
+    """Elements in one 16-byte granule (``aligned_online``'s c)."""
+    return VECTOR_BYTES // DTYPE_BYTES[dtype]
 
 
 def placeholders(problem, idx: str) -> tuple[te.Tensor, te.Tensor, te.Tensor | None]:
@@ -86,6 +112,8 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
         return (x(i, kk),)
 
     n_extra = (2 if weighted else 1) if smoothing else 0
+    if algorithm == "aligned_online":
+        return aligned_row_statistics(problem, logits, weight, idx)
     exp = poly_exp if algorithm == "three_pass_poly_exp" else te.exp
     if algorithm in ("three_pass", "three_pass_poly_exp"):
         row_max = te.compute(rows, lambda i: te.max(x(i, k), axis=k), name="row_max")
@@ -146,6 +174,117 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
         stats = te.compute(rows, online_body, name="row_online")
         row_sumexp, row_max, extra = stats[0], stats[1], list(stats[2:])
 
+    return row_max, row_sumexp, extra
+
+
+def aligned_row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx: str) -> tuple:
+    """``aligned_online``'s ``(row_max, row_sumexp, extra)`` (as :func:`row_statistics`) from
+    the aligned body granules (``chunk_max``, ``chunk_sumexp``, ``row_online``) and the
+    head and tail (``edge_max``, ``edge_sumexp``), combined by one online step."""
+    batch, classes = dims(problem.shape, idx)
+    rows = [batch]
+    c = granule(problem.dtype)
+    V = problem.classes
+    body = V // c - 1
+    if body < 1:
+        raise ValueError(f"cross_entropy: aligned_online needs V >= {2 * c} for {problem.dtype}, got V = {V}")
+    edge = c + 2 * c - 2  # the head's granule, then at most 2c - 2 tail elements
+    smoothing = problem.label_smoothing > 0.0
+    weighted = problem.has_weight
+    n_extra = (2 if weighted else 1) if smoothing else 0
+    C = tirx.IntImm(idx, c)
+
+    def x(i, k):
+        return widen(logits[i, k], problem.dtype)
+
+    def offset(i):  # a_i: the row's start within its 16-byte granule
+        return tirx.floormod(i * classes, C)
+
+    def smooth_terms(i, k, inside=None) -> tuple:
+        if not smoothing:
+            return ()
+        terms = (weight[k] * x(i, k), weight[k]) if weighted else (x(i, k),)
+        if inside is None:
+            return terms
+        return tuple(tirx.if_then_else(inside, t, tirx.const(0.0, "float32")) for t in terms)
+
+    def reduce_terms(terms, axis):
+        if len(terms) == 1:
+            return te.sum(terms[0], axis=axis)
+        return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=axis)
+
+    # Body: granule j + 1 of the row's window, always inside the row, no guard. The
+    # granule index is clamped to the body (a no-op for j < body): the lanes' split
+    # of the body is ragged, and without the clamp the register stage of a granule
+    # cannot be proven inside the row, gets a per-element bound and loses its
+    # 16-byte load.
+    last = tirx.IntImm(idx, body - 1)
+
+    def col(i, j, vv):
+        # c floor(iV / c) - iV, not -a_i: the flat index iV + col then simplifies to
+        # c (floor(iV / c) + j + 1) + v, a multiple of c plus the lane, which TVM's
+        # CUDA codegen must see (a modular-set check) to emit one 16-byte load.
+        start = tirx.floordiv(i * classes, C) * C - i * classes
+        return start + (tirx.min(j, last) + tirx.IntImm(idx, 1)) * C + vv
+
+    v = te.reduce_axis((tirx.IntImm(idx, 0), C), name="v")
+    v2 = te.reduce_axis((tirx.IntImm(idx, 0), C), name="v2")
+    row_chunks = [batch, tirx.IntImm(idx, body)]
+    chunk_max = te.compute(row_chunks, lambda i, j: te.max(x(i, col(i, j, v)), axis=v), name="chunk_max")
+
+    def chunk_body(i, j):
+        k = col(i, j, v2)
+        return reduce_terms((te.exp(x(i, k) - chunk_max[i, j]),) + smooth_terms(i, k), v2)
+
+    chunk_stats = te.compute(row_chunks, chunk_body, name="chunk_sumexp")
+    chunk_stats = chunk_stats if isinstance(chunk_stats, (list, tuple)) else [chunk_stats]
+    j = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, body)), name="j")
+    online = te.compute(
+        rows,
+        lambda i: ONLINE_LSE[n_extra](
+            (chunk_stats[0][i, j], chunk_max[i, j]) + tuple(t[i, j] for t in chunk_stats[1:]), axis=j),
+        name="row_online",
+    )
+
+    # Edges: e < c is the head's granule (element e - a_i, inside when e >= a_i), the
+    # rest the tail (element c * body + e - a_i, inside when below V).
+    def edge_col(i, e):
+        head = e < C
+        k = tirx.Select(head, e, tirx.IntImm(idx, c * body) + e) - offset(i)
+        inside = tirx.Select(head, e >= offset(i), k < classes)
+        return k, inside
+
+    def edge_x(i, e, pad):
+        k, inside = edge_col(i, e)
+        return tirx.if_then_else(inside, x(i, k), tirx.const(pad, "float32")), k, inside
+
+    e1 = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, edge)), name="e1")
+    e2 = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, edge)), name="e2")
+    edge_max = te.compute(rows, lambda i: te.max(edge_x(i, e1, -float("inf"))[0], axis=e1), name="edge_max")
+
+    def edge_body(i):
+        value, k, inside = edge_x(i, e2, -float("inf"))
+        # The smoothing terms read weight[k] and x[k] only where k is inside the row.
+        terms = (te.exp(value - edge_max[i]),)
+        if smoothing:
+            safe = tirx.if_then_else(inside, k, tirx.IntImm(idx, 0))
+            terms += smooth_terms(i, safe, inside)
+        return reduce_terms(terms, e2)
+
+    edge_stats = te.compute(rows, edge_body, name="edge_sumexp")
+    edge_stats = edge_stats if isinstance(edge_stats, (list, tuple)) else [edge_stats]
+
+    # One online step joins the body's pair and the edges' pair.
+    s_b, m_b, m_e, s_e = online[0], online[1], edge_max, edge_stats[0]
+    row_max = te.compute(rows, lambda i: tirx.max(m_b[i], m_e[i]), name="row_max")
+    row_sumexp = te.compute(
+        rows, lambda i: s_b[i] * te.exp(m_b[i] - row_max[i]) + s_e[i] * te.exp(m_e[i] - row_max[i]),
+        name="row_sumexp")
+
+    def joined_sum(n):
+        return te.compute(rows, lambda i: online[2 + n][i] + edge_stats[1 + n][i], name=f"row_extra{n}")
+
+    extra = [joined_sum(n) for n in range(n_extra)]
     return row_max, row_sumexp, extra
 
 
