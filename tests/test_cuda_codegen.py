@@ -269,3 +269,18 @@ def test_sampled_configs_fit_static_shared_memory(op, shape, dtype, layout):
                 continue
             source = build_kernel(problem, CUDA, cand.name, knobs).device_source()
             assert static_shared_bytes(source) <= 48 * 1024, (cand.name, knobs)
+
+
+def test_rows_go_through_shared_memory_only_when_rows_divide_the_vector():
+    """rows_through_shared deals a block's channels to its threads ``vector / rows``
+    each; with rows > vector the spare threads, guarded only by the tensor's channel
+    bound, overwrote the next block's partials (13 sampled configurations on the H200)."""
+    problem = tf.make_problem("bn_stats", (200704, 256), "float16", layout="NHWC")
+    cand = registry.get("bn_stats_channels_last")
+    cases = [dict(rows=8, vector=8, channel_lanes=32, shared=True), dict(rows=4, vector=2, channel_lanes=64, shared=False),
+             dict(rows=8, vector=4, channel_lanes=32, shared=False), dict(rows=2, vector=8, channel_lanes=16, shared=True)]
+    for case in cases:
+        shared = case.pop("shared")
+        knobs = cand.knobs(**dict(cand.default_for(problem, CUDA).__dict__, **case))
+        source = build_kernel(problem, CUDA, cand.name, knobs).device_source()
+        assert ("_rf_shared_ptr" in source) == shared, knobs

@@ -631,11 +631,14 @@ def row_partials(sch: s_tir.Schedule, name: str, knobs, staged: tuple[str, ...],
         batched_loads(sch, stage, step)
     sch.unroll(batch)
     sch.decompose_reduction(partial, step)  # zero every partial, rows or not
-    rows, group = knobs_value(sch, knobs.rows), knobs_value(sch, knobs.channel_lanes) * knobs_value(sch, knobs.vector)
+    rows, vector = knobs_value(sch, knobs.rows), knobs_value(sch, knobs.vector)
+    group = knobs_value(sch, knobs.channel_lanes) * vector
     # One block (splits = 1): its rows are the partials. A tile past SHARED_TILE_BYTES
     # stays in global memory (the 48 KB static limit: rows=4 of 256 lanes x 8 channels,
-    # two sums, is 64 KB, and NVRTC refused the kernel on the H200).
-    if rows > 1 and knobs_value(sch, knobs.splits) > 1 and rows * group * 4 * len(write_backs) <= SHARED_TILE_BYTES:
+    # two sums, is 64 KB, and NVRTC refused the kernel on the H200). Fewer channels than
+    # threads (vector < rows) too: see rows_through_shared.
+    if (rows > 1 and knobs_value(sch, knobs.splits) > 1 and vector % rows == 0
+            and rows * group * 4 * len(write_backs) <= SHARED_TILE_BYTES):
         rows_through_shared(sch, name, knobs, sch.get_loops(partial)[1], write_backs)
 
 
@@ -645,7 +648,14 @@ def rows_through_shared(sch: s_tir.Schedule, name: str, knobs, group: LoopRV, wr
     block's threads, one channel each, add a channel's ``rows`` values in registers and
     store one partial per (block, channel) (``<name>`` rfactored again over the split
     index). The finalize then reads ``splits`` partials a channel, not ``splits x rows``
-    (64x56x56x256: 392, not 3136, and a 0.8 MB workspace, not 6.4)."""
+    (64x56x56x256: 392, not 3136, and a 0.8 MB workspace, not 6.4).
+
+    The block's ``channel_lanes x vector`` channels are dealt to its ``rows x
+    channel_lanes`` threads ``vector / rows`` each, so ``rows`` must divide ``vector``.
+    With more threads than channels TVM's split guarded the spare threads by the
+    tensor's channel bound, not the block's: on the H200 threads of one block wrote
+    the next block's channels (13 sampled configurations failed, every one with
+    rows > vector, e.g. rows=4 vector=2 on 64x56x56x256 fp16: y off by 4.6)."""
     for write_back in write_backs:
         sch.set_scope(write_back, 0, "shared")
     final = sch.get_sblock(name)
