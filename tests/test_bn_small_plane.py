@@ -14,9 +14,7 @@ import random
 import pytest
 
 from helpers import check_compiles_without_spills, needs_nvcc, on_gpu, rng, run_poisoned
-from test_bn_backward import check as check_backward
-from test_bn_backward import inputs as backward_inputs
-from test_bn_channels_last_cuda import check_channels_last_source, kernel_bodies
+from test_bn_channels_last_cuda import check_backward_on_gpu, check_channels_last_source, kernel_bodies
 from test_bn_forward import MODES as ALL_FORWARD_MODES  # (training, track_running, affine)
 from test_bn_forward import check as check_forward
 from test_bn_forward import inputs as forward_inputs
@@ -201,17 +199,7 @@ def test_forward_on_gpu(problem, knob_sets):
 @on_gpu
 @pytest.mark.parametrize("problem, knob_sets", list(gpu_params(backward, BACKWARD_MODES)))
 def test_backward_on_gpu(problem, knob_sets):
-    import tvm
-
-    gen = rng()
-    for knobs in knob_sets:
-        kernel = build_kernel(problem, targets.resolve("cuda"), BACKWARD, knobs)
-        for shift in (3.0, 1000.0):  # |mean| >> std too
-            x, dy, mean, invstd, weight = backward_inputs(gen, problem, problem.dtype, shift=shift)
-            args = [x.reshape(problem.shape), dy.reshape(problem.shape), mean, invstd]
-            args += [weight] if problem.affine else []
-            outs = run_poisoned(kernel, args, tvm.cuda(0))
-            check_backward(outs, x, dy, mean, invstd, weight, problem, f"{BACKWARD} {knobs} mean {shift}")
+    check_backward_on_gpu(problem, BACKWARD, knob_sets)
 
 
 @on_gpu

@@ -158,14 +158,22 @@ def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str) -> None
     sch.bind(lane, "threadIdx.x")
     unroll(sch, serial, unroll_step)
     outputs_to(sch, online, scope)
+    chunks_at(sch, serial)
+
+
+def chunks_at(sch: s_tir.Schedule, at: LoopRV) -> tuple[SBlockRV, SBlockRV, SBlockRV]:
+    """``chunk_sumexp`` and ``chunk_max`` moved under loop ``at`` in registers, the
+    chunk's logits staged there with one vector load. Returns the two blocks and the
+    stage."""
     chunk_sum, chunk_max = sch.get_sblock("chunk_sumexp"), sch.get_sblock("chunk_max")
     for block in (chunk_sum, chunk_max):
-        sch.compute_at(block, serial, preserve_unit_loops=True)
+        sch.compute_at(block, at, preserve_unit_loops=True)
         outputs_to(sch, block, "local")
     stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, "logits"), "local",
                            consumer_blocks=[chunk_max, chunk_sum])
-    sch.compute_at(stage, serial, preserve_unit_loops=True)
+    sch.compute_at(stage, at, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(stage)[-1])
+    return chunk_sum, chunk_max, stage
 
 
 def merge_grad_rows(sch: s_tir.Schedule, problem, statistics: tuple[str, ...] = ("row_max", "row_sumexp")):

@@ -73,8 +73,8 @@ from tvm_fusion.contracts import CrossEntropyProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
-from ..common import outputs_to, read_index, single_thread, unroll
-from .common import MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, schedule_ce_batch_stage
+from ..common import outputs_to, single_thread, unroll
+from .common import MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, chunks_at, schedule_ce_batch_stage
 
 ALGORITHM = "aligned_online"
 # Rows shorter than this go to the warp and block candidates: the 22 scalar edge
@@ -187,14 +187,7 @@ def aligned_granules(sch, problem: CrossEntropyProblem, threads, batch) -> None:
     step, inner = sch.split(serial, [None, batch])
     sch.unroll(inner)
     outputs_to(sch, online, "shared")
-    chunk_sum, chunk_max = sch.get_sblock("chunk_sumexp"), sch.get_sblock("chunk_max")
-    for block in (chunk_sum, chunk_max):
-        sch.compute_at(block, inner, preserve_unit_loops=True)
-        outputs_to(sch, block, "local")
-    stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, "logits"), "local",
-                           consumer_blocks=[chunk_max, chunk_sum])
-    sch.compute_at(stage, inner, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(stage)[-1])
+    chunk_sum, chunk_max, stage = chunks_at(sch, inner)
     # The lanes' bound (a ragged split of the body) once per granule, not on each of
     # the 2c element steps: the chunk blocks wrapped in a block each (their loops
     # under ``inner``), which carries the predicate.
