@@ -100,6 +100,14 @@ def test_on_the_cpu_the_models_pick_is_built_and_computes_the_loss(tmp_path):
     assert dispatch.choose(tf.make_problem("cross_entropy", (16, 256), "float32"), cpu, tmp_path).source == "record"
 
 
+# Shipped shapes whose default pick changed after their records were taken (so the
+# records hold no time for today's default): CE 16384x50257 bf16 now defaults to
+# cross_entropy_aligned_rows, bn_stats 32x64x112x112 and 8x3x224x224 to even_partials'
+# knobs (H200 A/B, 2026-12-02). Tuning them again takes them off this list.
+DEFAULT_CHANGED = {"cross_entropy_16384x50257_bfloat16_mean_int64", "bn_stats_ncl_32x64x12544_float16",
+                   "bn_stats_ncl_8x3x50176_float16"}
+
+
 def test_training_rows_hold_every_shipped_shape_with_its_default_timed(rows):
     problems = {r.problem for r in rows}
     assert len(problems) == SHIPPED_PROBLEMS and len(rows) > 200
@@ -107,8 +115,9 @@ def test_training_rows_hold_every_shipped_shape_with_its_default_timed(rows):
     assert {r.candidate for r in rows} <= {c.name for c in registry.all_candidates()}
     for problem in problems:  # the tuner times the registry's pick of every shape it tunes
         default = registry.default_candidate(problem, CUDA)
-        assert any(r.problem == problem and r.candidate == default.name
-                   and r.knobs == default.default_for(problem, CUDA) for r in rows), problem.key()
+        timed = any(r.problem == problem and r.candidate == default.name
+                    and r.knobs == default.default_for(problem, CUDA) for r in rows)
+        assert timed != (problem.key() in DEFAULT_CHANGED), problem.key()
 
 
 def test_the_model_file_round_trips_and_ranks_every_configuration(rows, model_dir):
@@ -167,7 +176,10 @@ def test_leave_one_shape_out_judges_every_shipped_shape(rows):
     results = cost_model.evaluate(rows, CUDA)
     assert len(results) == SHIPPED_PROBLEMS
     for held in results:
-        assert held.ratio >= 1.0 and held.default_ratio >= 1.0 and held.configs >= 20
+        assert held.ratio >= 1.0 and held.configs >= 20
+        # nan: today's default was never timed (DEFAULT_CHANGED)
+        assert math.isnan(held.default_ratio) == (held.problem in DEFAULT_CHANGED), held
+        assert math.isnan(held.default_ratio) or held.default_ratio >= 1.0
         assert math.isnan(held.spearman) or -1.0 <= held.spearman <= 1.0
     table = cost_model.report(results)
     assert len(table.splitlines()) == SHIPPED_PROBLEMS + 2 and "geometric mean pick/best" in table
