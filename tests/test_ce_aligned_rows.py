@@ -107,7 +107,7 @@ def test_registered_first_in_dispatch_order():
 ])
 def test_fits_rows_off_the_16_byte_grid(shape, dtype, fits):
     problem = tf.make_problem("cross_entropy", shape, dtype)
-    assert CANDIDATE.fits(problem) == fits
+    assert CANDIDATE.applies(problem) == fits
     assert (shape[1] * DTYPE_BYTES[dtype] % 16 != 0) or not fits
     assert CANDIDATE.applies(problem) == fits
     assert CANDIDATE.prefers(problem, CUDA) == (fits and shape[1] >= aligned.PREFERRED_CLASSES)

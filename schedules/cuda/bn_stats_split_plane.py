@@ -34,8 +34,8 @@ from tvm_fusion.contracts import BNStatsProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import lanes_split, single_thread
-from .common import (FINALIZE_THREADS, PARTIAL_BATCHES, PARTIAL_THREADS, even_partials, prefers_split_plane,
-                     split_plane_partials, widest_vector)
+from .common import (FINALIZE_THREADS, PARTIAL_BATCHES, PARTIAL_THREADS, even_partials, plane_splits,
+                     prefers_split_plane, split_plane_partials, widest_vector)
 
 
 @dataclass(frozen=True)
@@ -56,16 +56,7 @@ class BNStatsSplitPlane(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: BNStatsProblem) -> bool:
-        return problem.op == self.op and not problem.channels_last and bool(self._splits(problem))
-
-    def _splits(self, problem: BNStatsProblem) -> list[int]:
-        """Split counts that divide the fused (n, l / vector) run evenly. An uneven cut
-        puts the run index and the reduction index in one predicate, and TVM then
-        silently skips the cross-thread lowering (lanes race on the partial: seen on
-        8x32x1009 on the H200, 2026-11-29)."""
-        vector = widest_vector(problem.dtype, problem.shape[2])
-        run = problem.count // vector
-        return [s for s in range(2, 257) if run % s == 0 and run // s >= 32]
+        return problem.op == self.op and not problem.channels_last and bool(plane_splits(problem))
 
     def prefers(self, problem: BNStatsProblem, target: Target) -> bool:
         # Fewer channels than two an SM (SplitPlaneMapCandidate's rule): a block per
@@ -79,7 +70,7 @@ class BNStatsSplitPlane(Candidate):
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
         return {
-            "splits": self._splits(problem),
+            "splits": plane_splits(problem),
             "threads": list(PARTIAL_THREADS),
             "vector": [widest_vector(problem.dtype, problem.shape[2])],
             "unroll": list(PARTIAL_BATCHES),

@@ -672,9 +672,7 @@ def rows_through_shared(sch: s_tir.Schedule, name: str, knobs, group: LoopRV, wr
     block_sums = sch.rfactor(split, factor_axis=0)
     sch.reverse_compute_at(block_sums, group)
     sums_out = [sch.cache_write(block_sums, index, "local") for index in range(len(sch.get(block_sums).writes))]
-    loops = sch.get_loops(block_sums)
-    at = next(i for i, loop in enumerate(loops) if sch.get(loop).same_as(sch.get(group)))
-    below = loops[at + 1:]
+    below = sch.get_loops(block_sums)[2:]  # under (run, group)
     if len(below) == 1:  # one channel a group: its unit loop folded away
         below = [below[0], sch.add_unit_loop(block_sums)]
     rows, channels = below

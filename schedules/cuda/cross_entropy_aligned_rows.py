@@ -121,12 +121,9 @@ class CrossEntropyAlignedRows(Candidate):
     knobs = AlignedRowsKnobs
     claims = {"shuffles": True, "vector_loads": True}
 
-    def fits(self, problem: CrossEntropyProblem) -> bool:
+    def applies(self, problem: CrossEntropyProblem) -> bool:
         """The shapes this kernel is for: rows off the 16-byte grid, long enough."""
         return problem.op == self.op and unaligned_rows(problem) and problem.classes >= MIN_CLASSES
-
-    def applies(self, problem: CrossEntropyProblem) -> bool:
-        return self.fits(problem)
 
     def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
         # 16-bit rows of PREFERRED_CLASSES and more (its comment has the H200 A/B).
