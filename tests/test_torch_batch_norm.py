@@ -415,33 +415,69 @@ def test_a_patched_training_step_replays_in_a_cuda_graph():
 @pytest.mark.parametrize("device", DEVICES)
 def test_patch_trains_torchvisions_resnet18_as_torch_does(device, monkeypatch):
     """The issue's second model, where torchvision is installed (the H200 host has it,
-    the CI machine not): 20 SGD steps, the loss curves within 1e-3 relative or 1e-4 of
-    the first loss (H200, float32 convolutions: 5.3e-5 at most)."""
+    the CI machine not), 20 SGD steps on one batch of 8, checked two ways:
+
+    - along torch's trajectory (any seed): before each step the patched model takes the
+      reference's parameters and running statistics, so one step's rounding is measured
+      without the steps before it. Every loss within rtol 1e-4; the gradients' gap, as a
+      fraction of their norm, under 1e-4 in the median step and 2e-2 in every step. On
+      the CPU over 3 seeds the median was 2-3e-6 and the largest 4.2e-3, a single step
+      where a max-pool or ReLU took the other side of a tie (the next step was 1.5e-6);
+    - free-running, on one fixed seed: the two loss curves within 1e-3 relative or 1e-4
+      of the first loss (H200, float32 convolutions: 5.3e-5 at most on the seeds that
+      passed). The free run is chaotic: on seed 1742003498 (2026-12-02, b771166) two
+      of its 20 losses were 5e-4 of the first loss apart, at steps 4 and 6, while the
+      loss fell through its steepest part; its drift is heavy-tailed over seeds, as
+      the small ResNet's on the CPU."""
     torchvision = pytest.importorskip("torchvision")
     # TF32 convolutions (torch's CUDA default) round to 10 bits: a 1e-6 gap between two
     # BatchNorms' outputs grew to 2e-2 by layer4 and 30% in conv gradients on the H200;
     # with float32 convolutions the step-0 gradients agreed to 1.7e-5.
-    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    if device == "cuda":
+        monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+        monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+
+    def loss_and_grads(m, x, target):
+        m.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(m(x), target)
+        loss.backward()
+        return loss.detach(), [p.grad.detach().clone() for p in m.parameters()]
+
     seeded()
     model = torchvision.models.resnet18(num_classes=10).to(device)
     reference = copy.deepcopy(model)
     swaps = tft.patch(model)
     assert len(swaps) == 20  # every BatchNorm2d of ResNet-18
     x, target = torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 10, (8,), device=device)
+    opt = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
+    gaps = []
+    for step in range(20):
+        model.load_state_dict(reference.state_dict())
+        loss, grads = loss_and_grads(model, x, target)
+        ref_loss, ref_grads = loss_and_grads(reference, x, target)
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-6, msg=f"step {step}")
+        total = math.sqrt(sum(float(g.double().square().sum()) for g in ref_grads))
+        gaps.append(math.sqrt(sum(float((a.double() - b.double()).square().sum())
+                                  for a, b in zip(grads, ref_grads))) / total)
+        opt.step()
+    assert sorted(gaps)[len(gaps) // 2] <= 1e-4 and max(gaps) <= 2e-2, [f"{g:.1e}" for g in gaps]
+
+    torch.manual_seed(int(os.environ.get("TVM_FUSION_TEST_SEED", TRAINING_SEED)))
+    model = torchvision.models.resnet18(num_classes=10).to(device)
+    reference = copy.deepcopy(model)
+    tft.patch(model)
+    x, target = torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 10, (8,), device=device)
     curves = []
     for m in (model, reference):
         opt = torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9)
         curve = []
         for _ in range(20):
-            opt.zero_grad()
-            loss = F.cross_entropy(m(x), target)
-            loss.backward()
+            loss, _ = loss_and_grads(m, x, target)
             opt.step()
-            curve.append(float(loss.detach()))
+            curve.append(float(loss))
         curves.append(torch.tensor(curve))
     # The 8 images are fitted: the loss falls toward 0, where a relative bound means
-    # nothing; the gaps are bounded by 1e-4 of the first loss (H200: 5.3e-5 of 2.53).
+    # nothing; the gaps are bounded by 1e-4 of the first loss.
     torch.testing.assert_close(curves[0], curves[1], rtol=1e-3, atol=1e-4 * float(curves[1][0]))
     assert curves[1][-1] < 0.5 * curves[1][0]
 
