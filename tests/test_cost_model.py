@@ -217,3 +217,63 @@ def test_cli_grid_lists_the_configurations_without_timing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "cross_entropy_1024x32000_float16_mean_int64: 24 configurations" in out  # 3 candidates x 8
     assert not any(tmp_path.iterdir())  # nothing timed, nothing written
+
+
+class _TimedRun:
+    """A runner's future: the artifact must exist; the time is the config's index."""
+
+    def __init__(self, item, seconds):
+        self.item, self.seconds = item, seconds
+
+    def result(self):
+        import os
+
+        ok = os.path.getsize(self.item.artifact_path) > 0
+        return ms.runner.RunnerResult([self.seconds] if ok else None, None if ok else "no artifact")
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_grid_pipeline_builds_and_logs_every_configuration_once(workers, tmp_path, monkeypatch):
+    """grid_records without a GPU: a stand-in runner returns a distinct time per built
+    configuration, so every configuration must be scheduled, built (in this process,
+    or on the worker pool where there are more than 2 cores), timed and logged once,
+    under its own candidate and knobs, over batches that do not divide the grid."""
+    from tvm_fusion import tuner
+
+    configs = tuner.grid_configs([UNTUNED], CUDA, max_configs=2)
+    assert len(configs) == 6
+    times = {}
+
+    class Runner:
+        def run(self, inputs):
+            futures = []
+            for item in inputs:
+                times[item.artifact_path] = seconds = 1e-5 * (len(times) + 1)
+                futures.append(_TimedRun(item, seconds))
+            return futures
+
+    monkeypatch.setattr(tuner, "make_runner", lambda timeout=0: Runner())
+    monkeypatch.setattr(tuner, "workers", lambda: workers)
+    monkeypatch.setattr(tuner, "GRID_BATCH", 4)
+    seen = []
+    assert tuner.grid_records([UNTUNED], CUDA, tmp_path, 2, lambda done, best: seen.append((done, best))) == 6
+    assert seen == [(4, 1e-5), (6, 1e-5)]
+    log = records.load(records.folder(tmp_path, CUDA), strict=True)
+    choices = [registry.replayed_choice(r, "cross_entropy") for r in log.database.get_all_tuning_records()]
+    assert sorted(f"{c} {k}" for c, k, _, _ in choices) == sorted(f"{c.name} {k}" for _, c, k in configs)
+    assert sorted(s for _, _, s, _ in choices) == pytest.approx(sorted(times.values()))
+
+
+def test_the_presets_hold_out_shapes_no_training_grid_has(capsys, tmp_path):
+    """The held-out shapes (fixed before any grid) are at least 12, of both operators,
+    none of them a training shape; ``grid --preset`` lists them, ``--ops`` narrows."""
+    keys = {p: {(op, shape, dtype, tuple(sorted(o.items()))) for op, shape, dtype, o in cost_model.PRESETS[p]}
+            for p in cost_model.PRESETS}
+    assert len(keys["held-out"]) >= 12 and not keys["held-out"] & keys["training"]
+    assert {op for op, *_ in keys["held-out"]} == {"cross_entropy", "bn_stats"}
+    assert cli.main(["grid", "--list", "--preset", "held-out", "--ops", "bn_stats", "--target", "cuda",
+                     "--max-configs", "2", "--log-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "bn_stats_ncl_48x96x1600_float16:" in out and "cross_entropy" not in out
+    assert cli.main(["grid", "--list", "--preset", "training", "--shapes", "8x4", "--target", "cuda"]) == cli.EXIT_USAGE
+    assert "give --preset or --shapes" in capsys.readouterr().err

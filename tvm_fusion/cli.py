@@ -266,11 +266,20 @@ def cmd_grid(args: argparse.Namespace) -> int:
 
     from . import records, tuner
 
+    from . import cost_model
+
     target = _default_target(args)
     if args.max_configs is not None and args.max_configs < 1:
         raise UsageError(f"--max-configs must be a positive int, got {args.max_configs}")
+    if args.preset and args.shapes:
+        raise UsageError("--preset names its own shapes: give --preset or --shapes, not both")
+    if args.preset:
+        ops = parse_ops(args.ops, KERNEL_OPS)
+        cases = [c for c in cost_model.PRESETS[args.preset] if c[0] in ops]
+    else:
+        cases = _cases(args, target.kind.name == "cuda")
     problems = [_problem(op, shape, dtype, argparse.Namespace(**{**vars(args), **options}))
-                for op, shape, dtype, options in _cases(args, target.kind.name == "cuda")]
+                for op, shape, dtype, options in cases]
     configs = tuner.grid_configs(problems, target, args.max_configs)
     for problem in problems:
         print(f"  {problem.key()}: {sum(1 for p, _, _ in configs if p == problem)} configurations")
@@ -406,6 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="at most this many configurations a candidate, thinned evenly "
                       "(default: as many as the cost model ranks)")
     grid.add_argument("--list", action="store_true", help="count the configurations only; time nothing")
+    grid.add_argument("--preset", choices=["training", "held-out"],
+                      help="the cost model's shapes (cost_model.TRAINING_SHAPES / HELD_OUT_SHAPES) instead of "
+                      "--shapes; --ops narrows them")
     grid.set_defaults(func=cmd_grid)
 
     model = sub.add_parser("cost-model", help="train or evaluate the cost model dispatch uses for shapes "

@@ -63,6 +63,45 @@ from .contracts.common import DTYPE_BYTES
 from .registry import Candidate, Knobs
 
 FORMAT = 1
+
+# The shapes of the shipped model's grids (``tvm-fusion grid --preset training``) and the
+# ones that judge it (``--preset held-out``): fixed on 2026-12-02, before any grid was
+# timed, as (op, shape, dtype, options). They spread over what the issue asks for:
+# cross entropy rows 8-65536 and V 10-256000; BatchNorm channels 3-4096, planes 16-65536
+# values, NCHW and NHWC; float16, bfloat16 and float32. The held-out ones are none of
+# the training shapes, and include the four whose untuned picks were measured 1.04x-1.53x
+# off the best (CE 3000x50257 fp16, CE 24576x4096 bf16, BN 48x96x40x40 fp16,
+# BN 16x512x28x28 bf16). The held-out grids live apart from dispatch's logs
+# (``tuning_logs/held_out``), so that no record answers for them.
+def _ce(rows: int, classes: int, dtype: str) -> tuple:
+    return ("cross_entropy", (rows, classes), dtype, {})
+
+
+def _bn(shape: tuple[int, ...], dtype: str, layout: str = "NCHW") -> tuple:
+    return ("bn_stats", shape, dtype, {} if layout == "NCHW" else {"layout": layout})
+
+
+TRAINING_SHAPES = (
+    _ce(8, 50257, "bfloat16"), _ce(64, 128256, "bfloat16"), _ce(256, 32000, "float16"),
+    _ce(512, 1000, "float32"), _ce(1024, 8192, "float32"), _ce(2048, 32001, "bfloat16"),
+    _ce(4096, 50257, "float32"), _ce(8192, 32000, "bfloat16"), _ce(16384, 4096, "float16"),
+    _ce(65536, 1000, "float16"), _ce(4096, 151936, "bfloat16"), _ce(32768, 10, "float32"),
+    _ce(128, 256000, "float16"), _ce(1000, 50257, "float16"), _ce(16384, 50257, "bfloat16"),
+    _bn((32, 64, 112, 112), "float16"), _bn((8, 3, 224, 224), "float16"), _bn((128, 64, 56, 56), "bfloat16"),
+    _bn((64, 128, 28, 28), "float16"), _bn((256, 512, 7, 7), "bfloat16"), _bn((16, 1024, 14, 14), "float32"),
+    _bn((64, 2048, 7, 7), "float16"), _bn((4, 32, 256, 256), "float32"), _bn((128, 256, 14, 14), "float16"),
+    _bn((2, 4096, 4, 4), "bfloat16"), _bn((32, 96, 40, 40), "bfloat16"), _bn((64, 256, 56, 56), "float16"),
+    _bn((64, 56, 56, 256), "bfloat16", "NHWC"), _bn((32, 28, 28, 512), "float16", "NHWC"),
+    _bn((16, 14, 14, 1024), "float32", "NHWC"), _bn((8, 112, 112, 64), "float16", "NHWC"),
+)
+HELD_OUT_SHAPES = (
+    _ce(3000, 50257, "float16"), _ce(24576, 4096, "bfloat16"), _ce(600, 32000, "float32"),
+    _ce(12000, 1024, "float16"), _ce(2000, 100000, "bfloat16"), _ce(32, 65536, "float16"),
+    _bn((48, 96, 40, 40), "float16"), _bn((16, 512, 28, 28), "bfloat16"), _bn((24, 192, 20, 20), "float32"),
+    _bn((64, 80, 35, 35), "float16"), _bn((20, 30, 30, 384), "bfloat16", "NHWC"),
+    _bn((96, 7, 7, 1536), "float16", "NHWC"),
+)
+PRESETS = {"training": TRAINING_SHAPES, "held-out": HELD_OUT_SHAPES}
 TARGET_VARIABLE = "log(seconds / bytes_moved)"
 
 # Trees of depth 4, 100 rounds at a 0.2 step: the shipped H200 logs hold about a

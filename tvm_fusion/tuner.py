@@ -21,7 +21,9 @@ cost model's training data (:mod:`tvm_fusion.cost_model`).
 Builds run in this process (:class:`InProcessBuilder`): one of these kernels builds
 in about 0.1 s, while the stock LocalBuilder starts a fresh pool of worker processes
 for every batch, each importing TVM: on a 2-core machine that start-up was nearly
-all of a tune's time.
+all of a tune's time. A grid, thousands of configurations, builds on a
+:class:`PoolBuilder` instead where there are more than 2 cores: its worker processes
+start once, and build the next batch while the runner times this one.
 """
 
 from __future__ import annotations
@@ -51,6 +53,17 @@ IGNORED_FRACTION = 0.05
 RANDOM_BLOCK = 1 << 20
 
 
+def build_module(mod: tvm.IRModule, target: Target) -> Any:
+    """MetaSchedule's ``default_build`` (which calls the deprecated ``tvm.driver.build``,
+    that is ``tvm.tirx.build``) without its first step, an import of
+    ``tvm.s_tir.tensor_intrin``: these kernels use no tensor intrinsics, and that import
+    parses 248 TVMScript functions, 32 s once per process on the CI machine (each
+    parse walks ``inspect.stack()`` over every loaded module)."""
+    from tvm.s_tir.transform import RemoveWeightLayoutRewriteBlock
+
+    return tvm.tirx.build(RemoveWeightLayoutRewriteBlock(skip_tensor_rewrite=True)(mod), target)
+
+
 @derived_object
 class InProcessBuilder(ms.builder.PyBuilder):
     """MetaSchedule builder that compiles each candidate here, one after another, and
@@ -60,16 +73,58 @@ class InProcessBuilder(ms.builder.PyBuilder):
         super().__init__()
 
     def build(self, build_inputs: list[ms.builder.BuilderInput]) -> list[ms.builder.BuilderResult]:
-        from tvm.s_tir.meta_schedule.builder.local_builder import default_build, default_export
+        from tvm.s_tir.meta_schedule.builder.local_builder import default_export
 
         results = []
         for item in build_inputs:
             try:
                 with item.target:
-                    results.append(ms.builder.BuilderResult(default_export(default_build(item.mod, item.target, None)), None))
+                    results.append(ms.builder.BuilderResult(default_export(build_module(item.mod, item.target)), None))
             except Exception as err:  # noqa: BLE001 -- recorded as a failed trial, as LocalBuilder does
                 results.append(ms.builder.BuilderResult(None, f"InProcessBuilder: {type(err).__name__}: {err}"))
         return results
+
+
+def _build_exported(mod_json: str, target_config: dict) -> str:
+    """A pool worker's build: the module from its JSON, built and exported for the runner."""
+    from tvm.s_tir.meta_schedule.builder.local_builder import default_export
+
+    target = Target(target_config)
+    with tvm.transform.PassContext(opt_level=3), target:
+        return default_export(build_module(tvm.ir.load_json(mod_json), target))
+
+
+def _import_package() -> None:
+    """Pool worker start-up: register this package's reducers and candidates there."""
+    from . import registry as _registry  # noqa: F401
+
+
+class PoolBuilder:
+    """Builds on ``workers`` processes that live as long as this object (spawned once,
+    each importing TVM and this package once), so a grid's builds run side by side
+    while the runner times the batch before. :meth:`submit` returns futures of
+    ``BuilderResult``; a failed build is reported in its result, not raised."""
+
+    def __init__(self, workers: int):
+        import concurrent.futures
+        import multiprocessing
+
+        self._pool = concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_import_package)
+
+    def submit(self, mods: Sequence[Any], target: Target) -> list[Any]:
+        config = target.export()
+        return [self._pool.submit(_build_exported, tvm.ir.save_json(mod), config) for mod in mods]
+
+    @staticmethod
+    def result(future: Any) -> ms.builder.BuilderResult:
+        try:
+            return ms.builder.BuilderResult(future.result(), None)
+        except Exception as err:  # noqa: BLE001 -- a failed trial, as LocalBuilder reports it
+            return ms.builder.BuilderResult(None, f"PoolBuilder: {type(err).__name__}: {err}")
+
+    def close(self) -> None:
+        self._pool.shutdown(cancel_futures=True)
 
 
 def alloc_valid_arguments(device: Any, args_info: Sequence[Any], alloc_repeat: int) -> list[list[Any]]:
@@ -225,16 +280,33 @@ def measure_into(database: Any, target: Target, builder: Any, runner: Any,
     """Build, time and log each ``(problem, candidate, knobs)`` as a tuning record of
     ``database``; a configuration that fails to build or run (too many threads for
     the block, say) is skipped. Returns the median seconds of those logged."""
-    device_type = "cuda" if target.kind.name == "cuda" else "cpu"  # as MetaSchedule names devices
+    scheduled = _scheduled(configs, target)
+    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for _, sch in scheduled])
+    return _log_runs(database, target, _start_runs(runner, target, scheduled, built))
+
+
+def _scheduled(configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]],
+               target: Target) -> list[tuple[Any, Any]]:
+    """(compute, schedule) of each configuration."""
     funcs = [prim_func(problem, cand.algorithm) for problem, cand, _ in configs]
-    schedules = [cand.apply(func, target, knobs=knobs) for func, (_, cand, knobs) in zip(funcs, configs)]
-    built = builder.build([ms.builder.BuilderInput(sch.mod, target) for sch in schedules])
+    return [(func, cand.apply(func, target, knobs=knobs)) for func, (_, cand, knobs) in zip(funcs, configs)]
+
+
+def _start_runs(runner: Any, target: Target, scheduled: list[tuple[Any, Any]],
+                built: list[ms.builder.BuilderResult]) -> list[tuple[Any, Any, Any, Any]]:
+    """Hand the built configurations to the runner: (compute, schedule, args, future)."""
+    device_type = "cuda" if target.kind.name == "cuda" else "cpu"  # as MetaSchedule names devices
     ready = [(func, sch, ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]), result)
-             for func, sch, result in zip(funcs, schedules, built) if not result.error_msg]
+             for (func, sch), result in zip(scheduled, built) if not result.error_msg]
     futures = runner.run([ms.runner.RunnerInput(result.artifact_path, device_type, args_info)
                           for _, _, args_info, result in ready])
+    return [(func, sch, args_info, future) for (func, sch, args_info, _), future in zip(ready, futures)]
+
+
+def _log_runs(database: Any, target: Target, runs: list[tuple[Any, Any, Any, Any]]) -> list[float]:
+    """Wait for the runs and commit each timed one as a tuning record."""
     logged = []
-    for (func, sch, args_info, _), future in zip(ready, futures):
+    for func, sch, args_info, future in runs:
         result = future.result()
         if result.error_msg or not result.run_secs:
             continue
@@ -352,13 +424,25 @@ def grid_records(
     target = targets.with_limits(targets.resolve(target))
     configs = grid_configs(problems, target, max_configs)
     database = records.json_database(records.folder(log_dir, target))
-    builder, runner = InProcessBuilder(), make_runner(runner_timeout)
-    written, best = 0, float("inf")
-    with tvm.transform.PassContext(opt_level=3), target:
-        for start in range(0, len(configs), GRID_BATCH):
-            logged = measure_into(database, target, builder, runner, configs[start:start + GRID_BATCH])
-            written, best = written + len(logged), min([best, *logged])
-            if progress is not None:
-                progress(min(start + GRID_BATCH, len(configs)), best)
+    builder, runner = PoolBuilder(workers()) if workers() > 2 else None, make_runner(runner_timeout)
+    written, best, runs = 0, float("inf"), []
+    try:
+        with tvm.transform.PassContext(opt_level=3), target:
+            # A pipeline: this batch is scheduled and built while the runner times the one before.
+            for start in range(0, len(configs) + GRID_BATCH, GRID_BATCH):
+                batch = configs[start:start + GRID_BATCH]
+                scheduled = _scheduled(batch, target)
+                mods = [sch.mod for _, sch in scheduled]
+                pending = (builder.submit(mods, target) if builder is not None else
+                           InProcessBuilder().build([ms.builder.BuilderInput(mod, target) for mod in mods]))
+                logged = _log_runs(database, target, runs)
+                written, best = written + len(logged), min([best, *logged])
+                if progress is not None and start:
+                    progress(min(start, len(configs)), best)
+                built = [PoolBuilder.result(f) for f in pending] if builder is not None else pending
+                runs = _start_runs(runner, target, scheduled, built) if scheduled else []
+    finally:
+        if builder is not None:
+            builder.close()
     records.invalidate()
     return written
