@@ -7,6 +7,7 @@ is the plumbing and the guarantees dispatch relies on (a record still wins, no m
 file changes nothing), not how well the model picks: that needs grids of timings
 from the GPU host."""
 
+import dataclasses
 import json
 import math
 
@@ -130,12 +131,44 @@ def test_the_model_file_round_trips_and_ranks_every_configuration(rows, model_di
     assert np.allclose(trained.predict_many(TUNED, configs), loaded.predict_many(TUNED, configs), rtol=1e-6)
     ranked = loaded.rank(UNTUNED, CUDA)
     applicable = registry.applicable(UNTUNED, CUDA)
-    assert len(ranked) == sum(len(c.all_configs(UNTUNED, CUDA)) for c in applicable)
+    assert len(ranked) == sum(len(cost_model.thinned(c, UNTUNED, CUDA)) for c in applicable)
+    assert len(ranked) == sum(min(cost_model.MAX_CONFIGS, len(c.all_configs(UNTUNED, CUDA))) for c in applicable)
     assert {r.candidate for r in ranked} == {c.name for c in applicable}
     seconds = [r.seconds for r in ranked]
     assert seconds == sorted(seconds) and seconds[0] > 0
     assert loaded.predict(UNTUNED, ranked[0].candidate, ranked[0].knobs) == pytest.approx(seconds[0])
     assert loaded.rank(tf.make_problem("bn_forward", (8, 16, 32, 32), "float16"), CUDA) == []  # no bn_forward rows
+
+
+def test_the_pick_keeps_the_default_unless_predicted_a_margin_faster():
+    knobs = registry.get("cross_entropy_online").default_for(UNTUNED, CUDA)
+    other = dataclasses.replace(knobs, threads=knobs.threads * 2)
+    default = cost_model.Ranked("cross_entropy_online", knobs, 1.0)
+    for fastest, kept in [(0.95, default), (0.85, None)]:
+        ranked = [cost_model.Ranked("cross_entropy_online", other, fastest), default]
+        pick = cost_model._with_margin(ranked, "cross_entropy_online", knobs)
+        assert pick is (kept or ranked[0])
+    alone = [cost_model.Ranked("cross_entropy_online", other, 0.99)]  # the default not ranked: the fastest
+    assert cost_model._with_margin(alone, "cross_entropy_online", knobs) is alone[0]
+
+
+def test_the_shipped_model_is_used_only_when_asked(monkeypatch):
+    """The shipped model (beside the grids it was trained on) is off by default, on with
+    TVM_FUSION_COST_MODEL=shipped; a path that is not there is an error naming it."""
+    monkeypatch.delenv(cost_model.MODEL_ENV, raising=False)
+    records.invalidate()
+    assert dispatch.choose(UNTUNED, CUDA).source == "heuristic"
+    assert cost_model.shipped_model(CUDA).exists()
+    monkeypatch.setenv(cost_model.MODEL_ENV, "shipped")
+    records.invalidate()
+    choice = dispatch.choose(UNTUNED, CUDA)
+    assert choice.source == "cost model" and str(cost_model.shipped_model(CUDA)) in choice.reason
+    assert dispatch.choose(TUNED, CUDA).source == "record"
+    monkeypatch.setenv(cost_model.MODEL_ENV, "/nonexistent/model.json")
+    records.invalidate()
+    with pytest.raises(FileNotFoundError, match="nonexistent"):
+        dispatch.choose(UNTUNED, CUDA)
+    records.invalidate()
 
 
 def test_a_large_space_is_thinned_and_keeps_its_default(monkeypatch):
@@ -200,8 +233,8 @@ def test_the_grid_enumerates_every_configuration_of_every_applicable_candidate()
     from tvm_fusion import tuner
 
     applicable = registry.applicable(TUNED, CUDA)
-    configs = tuner.grid_configs([TUNED, UNTUNED], CUDA)
-    assert len(configs) == 2 * sum(len(c.all_configs(TUNED, CUDA)) for c in applicable)
+    configs = tuner.grid_configs([TUNED, UNTUNED], CUDA)  # by default what the model ranks
+    assert len(configs) == 2 * sum(min(cost_model.MAX_CONFIGS, len(c.all_configs(TUNED, CUDA))) for c in applicable)
     assert len({(p, c.name, k) for p, c, k in configs}) == len(configs)
     assert {c.name for _, c, _ in configs} == {c.name for c in applicable}
     few = tuner.grid_configs([TUNED], CUDA, max_configs=5)
@@ -262,6 +295,13 @@ def test_the_grid_pipeline_builds_and_logs_every_configuration_once(workers, tmp
     choices = [registry.replayed_choice(r, "cross_entropy") for r in log.database.get_all_tuning_records()]
     assert sorted(f"{c} {k}" for c, k, _, _ in choices) == sorted(f"{c.name} {k}" for _, c, k in configs)
     assert sorted(s for _, _, s, _ in choices) == pytest.approx(sorted(times.values()))
+    # records.compact unindents the workloads' JSON; TVM reads back the same modules.
+    folder = records.folder(tmp_path, CUDA)
+    assert records.compact(folder) > 0 and records.compact(folder) == 0
+    compacted = records.load(folder, strict=True).database.get_all_tuning_records()
+    assert len(compacted) == 6
+    for before, after in zip(log.database.get_all_tuning_records(), compacted):
+        tvm.ir.assert_structural_equal(before.workload.mod, after.workload.mod)
 
 
 def test_the_presets_hold_out_shapes_no_training_grid_has(capsys, tmp_path):

@@ -247,7 +247,15 @@ def cmd_cost_model(args: argparse.Namespace) -> int:
     shapes = len({r.problem for r in rows})
     print(f"{len(rows)} timed configurations of {shapes} problems in {', '.join(args.log_dir)}")
     if args.action == "evaluate":
-        print(cost_model.report(cost_model.evaluate(rows, target)))
+        if args.held_out:
+            held = cost_model.training_rows(args.held_out, target)
+            overlap = {r.problem for r in held} & {r.problem for r in rows}
+            if overlap:
+                raise UsageError(f"held-out shapes also in the training logs: {sorted(p.key() for p in overlap)}")
+            print(f"judged on {len({r.problem for r in held})} held-out problems in {', '.join(args.held_out)}")
+            print(cost_model.report(cost_model.evaluate_held_out(rows, held, target)))
+        else:
+            print(cost_model.report(cost_model.evaluate(rows, target)))
         return 0
     model = cost_model.CostModel.train(rows, target)
     if not model.models:
@@ -257,7 +265,7 @@ def cmd_cost_model(args: argparse.Namespace) -> int:
     for op, keys in model.trained_on.items():
         print(f"  {op}: {len(keys)} problems")
     print(f"wrote {out}; dispatch reads it for problems without a record when it lies beside the "
-          f"{targets.key(target)} logs of a searched folder")
+          f"{targets.key(target)} logs of a searched folder, or when ${cost_model.MODEL_ENV} names it")
     return 0
 
 
@@ -427,6 +435,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--log-dir", dest="log_dir", nargs="+", required=True,
                        help="log folders (holding <target key>/database_*.json) or database folders")
     model.add_argument("--target", default="cuda", help="cuda, llvm or a JSON target dict (default cuda)")
+    model.add_argument("--held-out", dest="held_out", nargs="+",
+                       help="evaluate: train on --log-dir and judge on these logs' shapes (none may be in "
+                       "--log-dir) instead of leaving one shape out")
     model.add_argument("--out", help="model file (default: cost_model_<target key>.json beside the first "
                        "log's records, where dispatch looks)")
     model.set_defaults(func=cmd_cost_model)

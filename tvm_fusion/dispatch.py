@@ -135,15 +135,20 @@ def _cost_model_choice(problem: Problem, target: Target, log_dir: str | os.PathL
     if found is None:
         return None
     path, model = found
-    ranked = model.rank(problem, target)
-    if not ranked:
+    chosen = model.choose(problem, target)
+    if chosen is None:
         return None
-    best = ranked[0]
-    second = (f"; second best {ranked[1].candidate} [{ranked[1].knobs}] {ranked[1].seconds * 1e3:.4f} ms"
-              if len(ranked) > 1 else "")
-    return Choice(best.candidate, best.knobs, "cost model",
-                  f"no tuning record; cost model in {path}: predicted {best.seconds * 1e3:.4f} ms{second} "
-                  f"({len(ranked)} configurations ranked)")
+    pick, ranked = chosen
+    others = [r for r in ranked if (r.candidate, r.knobs) != (pick.candidate, pick.knobs)]
+    if pick is ranked[0]:
+        why = (f"predicted {pick.seconds * 1e3:.4f} ms; second best {others[0].candidate} [{others[0].knobs}] "
+               f"{others[0].seconds * 1e3:.4f} ms" if others else f"predicted {pick.seconds * 1e3:.4f} ms")
+    else:
+        why = (f"the default, predicted {pick.seconds * 1e3:.4f} ms, kept: the fastest predicted, "
+               f"{ranked[0].candidate} [{ranked[0].knobs}] at {ranked[0].seconds * 1e3:.4f} ms, is within "
+               f"the {cost_model.MARGIN:.0%} margin")
+    return Choice(pick.candidate, pick.knobs, "cost model",
+                  f"no tuning record; cost model in {path}: {why} ({len(ranked)} configurations ranked)")
 
 
 def kernel_for(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None) -> Kernel:
