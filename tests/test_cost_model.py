@@ -102,11 +102,10 @@ def test_on_the_cpu_the_models_pick_is_built_and_computes_the_loss(tmp_path):
 
 
 # Shipped shapes whose default pick changed after their records were taken (so the
-# records hold no time for today's default): CE 16384x50257 bf16 now defaults to
-# cross_entropy_aligned_rows, bn_stats 32x64x112x112 and 8x3x224x224 to even_partials'
-# knobs (H200 A/B, 2026-12-02). Tuning them again takes them off this list.
-DEFAULT_CHANGED = {"cross_entropy_16384x50257_bfloat16_mean_int64", "bn_stats_ncl_32x64x12544_float16",
-                   "bn_stats_ncl_8x3x50176_float16"}
+# records hold no time for today's default). Empty since 2026-12-02: CE 16384x50257
+# bf16 (default cross_entropy_aligned_rows) and bn_stats 32x64x112x112 and 8x3x224x224
+# (even_partials' knobs) got their grid records (H200, b57a0fe) beside the tuning ones.
+DEFAULT_CHANGED: set[str] = set()
 
 
 def test_training_rows_hold_every_shipped_shape_with_its_default_timed(rows):
