@@ -316,3 +316,30 @@ def test_the_presets_hold_out_shapes_no_training_grid_has(capsys, tmp_path):
     assert "bn_stats_ncl_48x96x1600_float16:" in out and "cross_entropy" not in out
     assert cli.main(["grid", "--list", "--preset", "training", "--shapes", "8x4", "--target", "cuda"]) == cli.EXIT_USAGE
     assert "give --preset or --shapes" in capsys.readouterr().err
+
+
+def test_a_tune_is_seeded_with_the_models_fastest_predicted_configurations(tmp_path, monkeypatch):
+    """measure_seeds logs the shipped model's 4 fastest predicted configurations other
+    than the default (which measure_default logs), so MetaSchedule's first population
+    can start from them; without a model for the target it logs nothing."""
+    from tvm_fusion import tuner
+
+    monkeypatch.delenv(cost_model.MODEL_ENV, raising=False)
+    records.invalidate()
+
+    class Runner:
+        def run(self, inputs):
+            return [_TimedRun(item, 1e-5) for item in inputs]
+
+    database = records.json_database(records.folder(tmp_path, CUDA))
+    with tvm.transform.PassContext(opt_level=3), CUDA:
+        assert tuner.measure_seeds(UNTUNED, CUDA, tuner.InProcessBuilder(), Runner(), database) == 4
+    model = cost_model.CostModel.load(cost_model.shipped_model(CUDA))
+    default = registry.default_candidate(UNTUNED, CUDA)
+    expected = [(r.candidate, r.knobs) for r in model.rank(UNTUNED, CUDA)
+                if (r.candidate, r.knobs) != (default.name, default.default_for(UNTUNED, CUDA))][:4]
+    logged = [registry.replayed_choice(r, "cross_entropy")[:2] for r in database.get_all_tuning_records()]
+    assert sorted(map(str, logged)) == sorted(map(str, expected))
+    llvm = tvm.target.Target("llvm")
+    assert tuner.measure_seeds(tf.make_problem("cross_entropy", (64, 1000), "float32"), llvm,
+                               tuner.InProcessBuilder(), Runner(), database) == 0

@@ -275,6 +275,32 @@ def measure_default(problem: Problem, target: Target, builder: Any, runner: Any,
     return bool(measure_into(database, target, builder, runner, [(problem, cand, cand.default_for(problem, target))]))
 
 
+SEEDS = 4  # the cost model's fastest predicted configurations measured before a search
+
+
+def measure_seeds(problem: Problem, target: Target, builder: Any, runner: Any, database: Any,
+                  count: int = SEEDS) -> int:
+    """Measure and log the cost model's ``count`` fastest predicted configurations of
+    ``problem`` (other than the default, which :func:`measure_default` logs), so the
+    evolutionary search starts from them: MetaSchedule draws part of its first
+    population from the database's best records. The model is the one dispatch would
+    find, else the shipped one (seeding only adds measured records, and a tune keeps the
+    fastest, so the shipped model's held-out misses cost a few trials, not a worse pick).
+    Returns the configurations logged; none without a model for the operator."""
+    from . import cost_model
+
+    found = cost_model.find(target)
+    path = cost_model.shipped_model(target)
+    model = found[1] if found is not None else cost_model.CostModel.load(path) if path.exists() else None
+    if model is None or model.target_key != targets.key(target):
+        return 0
+    default = registry.default_candidate(problem, target)
+    default_knobs = default.default_for(problem, target)
+    seeds = [r for r in model.rank(problem, target) if (r.candidate, r.knobs) != (default.name, default_knobs)]
+    configs = [(problem, registry.get(r.candidate), r.knobs) for r in seeds[:count]]
+    return len(measure_into(database, target, builder, runner, configs)) if configs else 0
+
+
 def measure_into(database: Any, target: Target, builder: Any, runner: Any,
                  configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]]) -> list[float]:
     """Build, time and log each ``(problem, candidate, knobs)`` as a tuning record of
@@ -369,6 +395,7 @@ def tune(
     with tvm.transform.PassContext(opt_level=3), target:
         for problem in problems:
             measure_default(problem, target, builder, runner, database)
+            measure_seeds(problem, target, builder, runner, database)
         ms.tune_tasks(
             tasks=contexts,
             task_weights=[1.0] * len(contexts),
