@@ -38,14 +38,18 @@ needs. It is an absolute quantity, unlike the time relative to the best record o
 the shape, which depends on which configurations a tune happened to sample (tuning
 trials are not a grid), and it converts back to a predicted time for ``explain``.
 
-The model file is ``cost_model_<target key>.json`` beside a target's tuning logs
-(``tuning_logs/cuda_sm_90/cost_model_cuda_sm_90.json``): per operator the schema
-and xgboost's own JSON model. Dispatch reads it when a problem has no record.
+The model file is ``cost_model_<target key>.json``: per operator the schema and
+xgboost's own JSON model (gzipped, base64). Dispatch reads it when a problem has no
+record, from ``$TVM_FUSION_COST_MODEL`` or beside a target's tuning logs; the shipped
+H200 one, ``tuning_logs/cuda_sm_90/grids/cost_model_cuda_sm_90.json``, only when asked
+(``TVM_FUSION_COST_MODEL=shipped``, see ``shipped_model``).
 """
 
 from __future__ import annotations
 
+import base64
 import dataclasses
+import gzip
 import json
 import math
 import os
@@ -62,7 +66,7 @@ from .contracts import CrossEntropyGradProblem, CrossEntropyProblem, Problem
 from .contracts.common import DTYPE_BYTES
 from .registry import Candidate, Knobs
 
-FORMAT = 2  # 2: the launch features (5. above)
+FORMAT = 2  # 2: the launch features (5. above); xgboost's JSON model gzipped, in base64
 
 # The shapes of the shipped model's grids (``tvm-fusion grid --preset training``) and the
 # ones that judge it (``--preset held-out``): fixed on 2026-12-02, before any grid was
@@ -105,10 +109,11 @@ PRESETS = {"training": TRAINING_SHAPES, "held-out": HELD_OUT_SHAPES}
 TARGET_VARIABLE = "log(seconds / bytes_moved)"
 
 # Trees of depth 3, 200 rounds at a 0.2 step. Chosen by leave-one-shape-out over the
-# training grids alone (the held-out shapes were not looked at), H200, 2026-12-02: the
-# geometric mean pick/best was 1.037 (cross entropy, 18 shapes) and 1.085 (bn_stats, 16)
-# with the margin below, against 1.076 and 1.107 at depth 4 / 100 rounds, 1.43 and 1.28 at
-# depth 8 / 400 rounds at 0.05 (deeper trees fit the few shapes and mispicked up to 19x).
+# training grids and the tune records alone (the held-out shapes were not looked at),
+# H200, 2026-12-02: the geometric mean pick/best was 1.034 (cross entropy, 18 shapes)
+# and 1.118 (bn_stats, 17) with the margin below; 1.107 and 1.102 at depth 4 / 100
+# rounds; 1.195 and 1.292 at depth 8 / 400 rounds at 0.05 (deeper trees fit the few
+# shapes and mispicked up to 7.8x).
 # One thread: two on the 2-core CI machine under load took 100x longer.
 XGB_PARAMS = {"objective": "reg:squarederror", "max_depth": 3, "eta": 0.2, "min_child_weight": 1.0,
               "lambda": 1.0, "seed": 0, "nthread": 1}
@@ -116,7 +121,7 @@ ROUNDS = 200
 # The model's pick replaces the registry's default only where it predicts it at least
 # this much faster: the heuristic defaults are right on most shapes (leave-one-shape-out
 # default/best 1.089 cross entropy, 1.126 bn_stats), and the model's errors on a shape
-# are often larger than the gap it would gain (without the margin: 1.141 and 1.087).
+# are often larger than the gap it would gain (without the margin: 1.106 and 1.114).
 MARGIN = 0.1
 # The knobs that multiply into the lanes reducing one output (see the docstring, 4.).
 PARALLEL_KNOBS = ("threads", "vector", "splits", "channel_lanes")
@@ -280,7 +285,10 @@ def training_rows(log_dirs: str | os.PathLike | Iterable[str | os.PathLike], tar
             problem = problem_of(func)
             candidate, knobs, seconds, _ = registry.replayed_choice(record, problem.op)
             timed.setdefault((problem, candidate, knobs), []).append(seconds)
-    return [Row(p, c, k, statistics.median(s)) for (p, c, k), s in timed.items()]
+    # Sorted, so that the model does not depend on the order the logs list their records in
+    # (xgboost's trees do: one shape's records added a second time changed held-out picks).
+    return sorted((Row(p, c, k, statistics.median(s)) for (p, c, k), s in timed.items()),
+                  key=lambda r: (r.problem.op, r.problem.key(), r.candidate, str(r.knobs)))
 
 
 def database_folder(log_dir: str | os.PathLike, target: Target) -> pathlib.Path:
@@ -372,7 +380,7 @@ class CostModel:
     def save(self, path: str | os.PathLike) -> str:
         ops = {op: {"problem_features": list(schema.problem_features), "candidates": list(schema.candidates),
                     "knobs": list(schema.knobs), "sms": schema.sms, "trained_on": self.trained_on.get(op, []),
-                    "booster": json.loads(bytes(booster.save_raw("json")))}
+                    "booster": base64.b64encode(gzip.compress(bytes(booster.save_raw("json")), mtime=0)).decode()}
                for op, (schema, booster) in self.models.items()}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as handle:
@@ -393,7 +401,7 @@ class CostModel:
             schema = Schema(op, tuple(entry["problem_features"]), tuple(entry["candidates"]), tuple(entry["knobs"]),
                             entry["sms"])
             booster = xgb.Booster()
-            booster.load_model(bytearray(json.dumps(entry["booster"]).encode()))
+            booster.load_model(bytearray(gzip.decompress(base64.b64decode(entry["booster"]))))
             model.models[op] = (schema, booster)
             model.trained_on[op] = list(entry["trained_on"])
         return model
