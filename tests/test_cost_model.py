@@ -294,6 +294,9 @@ def test_the_grid_pipeline_builds_and_logs_every_configuration_once(workers, tmp
     choices = [registry.replayed_choice(r, "cross_entropy") for r in log.database.get_all_tuning_records()]
     assert sorted(f"{c} {k}" for c, k, _, _ in choices) == sorted(f"{c.name} {k}" for _, c, k in configs)
     assert sorted(s for _, _, s, _ in choices) == pytest.approx(sorted(times.values()))
+    # A second grid over the same log times nothing: every configuration is there.
+    assert tuner.untimed(configs, tmp_path, CUDA) == []
+    assert tuner.grid_records([UNTUNED], CUDA, tmp_path, 2) == 0
     # records.compact unindents the workloads' JSON; TVM reads back the same modules.
     folder = records.folder(tmp_path, CUDA)
     assert records.compact(folder) > 0 and records.compact(folder) == 0

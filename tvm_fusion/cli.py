@@ -294,6 +294,10 @@ def cmd_grid(args: argparse.Namespace) -> int:
     if args.list:
         print(f"{len(configs)} configurations")
         return 0
+    todo = tuner.untimed(configs, args.log_dir, target)
+    if len(todo) < len(configs):
+        print(f"{len(configs) - len(todo)} already timed in {records.folder(args.log_dir, target)}: skipped")
+    configs = todo
     bar = tqdm(total=len(configs), unit="config", desc="timing")
 
     def progress(done: int, best: float) -> None:

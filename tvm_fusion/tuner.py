@@ -437,6 +437,18 @@ def grid_configs(problems: Sequence[Problem], target: Target,
             for knobs in thinned(cand, problem, target, max_configs)]
 
 
+def untimed(configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]], log_dir: str | os.PathLike,
+            target: Target) -> list[tuple[Problem, registry.Candidate, registry.Knobs]]:
+    """``configs`` less those that ``<log_dir>/<target>/`` already holds a timed record of."""
+    from . import cost_model
+
+    folder = records.folder(log_dir, target)
+    if not (folder / records.RECORDS).exists():
+        return list(configs)
+    timed = {(r.problem, r.candidate, r.knobs) for r in cost_model.training_rows(folder, target)}
+    return [c for c in configs if (c[0], c[1].name, c[2]) not in timed]
+
+
 def grid_records(
     problems: Sequence[Problem],
     target: Any,
@@ -449,9 +461,11 @@ def grid_records(
     runner, and append each to the MetaSchedule database in ``<log_dir>/<target>/``
     as a tuning record (so dispatch, ``records.curve`` and ``cost_model.training_rows``
     read them like a tune's). A configuration that fails to build or run (too many
-    threads for the block, say) is skipped. Returns the records written."""
+    threads for the block, say) is skipped, and so is one the log already holds timed
+    (:func:`untimed`: a grid cut off by a time limit resumes where it stopped). Returns
+    the records written."""
     target = targets.with_limits(targets.resolve(target))
-    configs = grid_configs(problems, target, max_configs)
+    configs = untimed(grid_configs(problems, target, max_configs), log_dir, target)
     database = records.json_database(records.folder(log_dir, target))
     builder, runner = PoolBuilder(workers()) if workers() > 2 else None, make_runner(runner_timeout)
     written, best, runs = 0, float("inf"), []
