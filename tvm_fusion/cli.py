@@ -272,9 +272,7 @@ def cmd_cost_model(args: argparse.Namespace) -> int:
 def cmd_grid(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from . import records, tuner
-
-    from . import cost_model
+    from . import cost_model, records, tuner
 
     target = _default_target(args)
     if args.max_configs is not None and args.max_configs < 1:
@@ -304,7 +302,7 @@ def cmd_grid(args: argparse.Namespace) -> int:
         bar.n = done
         bar.refresh()
 
-    written = tuner.grid_records(problems, target, args.log_dir, args.max_configs, progress)
+    written = tuner.grid_records(problems, target, args.log_dir, args.max_configs, progress, configs=configs)
     bar.close()
     print(f"{written} of {len(configs)} configurations timed into {records.folder(args.log_dir, target)}")
     return 0

@@ -210,7 +210,7 @@ class Schema:
         extent = _log2(reduction_extent(problem))
         lanes = sum(_log2(values[k]) for k in PARALLEL_KNOBS if k in values)
         blocks, block_threads = launch_shape(problem, candidate, values)
-        sms = max(1, self.sms)
+        sms = self.sms
         return ([shape[n] for n in self.problem_features]
                 + [float(candidate == c) for c in self.candidates]
                 + [float(values.get(k, 0)) for k in self.knobs]
@@ -352,14 +352,10 @@ class CostModel:
         return float(self.predict_many(problem, [(candidate, knobs)])[0])
 
     def choose(self, problem: Problem, target: Target) -> tuple[Ranked, list[Ranked]] | None:
-        """(the pick, every ranked configuration fastest first): the fastest predicted,
-        unless the registry's default is predicted within ``MARGIN`` of it, in which
-        case the default; None where :meth:`rank` ranks nothing."""
+        """(the pick, every ranked configuration fastest first): see :func:`pick`; None
+        where :meth:`rank` ranks nothing."""
         ranked = self.rank(problem, target)
-        if not ranked:
-            return None
-        default = registry.default_candidate(problem, target)
-        return _with_margin(ranked, default.name, default.default_for(problem, target)), ranked
+        return (pick(ranked, problem, target), ranked) if ranked else None
 
     def rank(self, problem: Problem, target: Target) -> list[Ranked]:
         """Every applicable candidate the model knows, each with every knob
@@ -370,11 +366,7 @@ class CostModel:
         schema, _ = self.models[problem.op]
         configs = [(cand.name, knobs) for cand in registry.applicable(problem, target) if schema.covers(cand)
                    for knobs in thinned(cand, problem, target)]
-        if not configs:
-            return []
-        seconds = self.predict_many(problem, configs)
-        order = np.argsort(seconds, kind="stable")
-        return [Ranked(configs[i][0], configs[i][1], float(seconds[i])) for i in order]
+        return _fastest_first(configs, self.predict_many(problem, configs)) if configs else []
 
     # -- the file ---------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> str:
@@ -407,6 +399,11 @@ class CostModel:
         return model
 
 
+def _fastest_first(configs: Sequence[tuple[str, Knobs]], seconds: np.ndarray) -> list[Ranked]:
+    """``configs`` with their predicted ``seconds``, fastest first."""
+    return [Ranked(configs[i][0], configs[i][1], float(seconds[i])) for i in np.argsort(seconds, kind="stable")]
+
+
 def _with_margin(ranked: Sequence[Ranked], default: str, default_knobs: Knobs) -> Ranked:
     """The first of ``ranked`` (fastest predicted first), or the default configuration
     where it is ranked and predicted within ``MARGIN`` of the first."""
@@ -414,6 +411,13 @@ def _with_margin(ranked: Sequence[Ranked], default: str, default_knobs: Knobs) -
         if entry.candidate == default and entry.knobs == default_knobs:
             return ranked[0] if ranked[0].seconds < (1 - MARGIN) * entry.seconds else entry
     return ranked[0]
+
+
+def pick(ranked: Sequence[Ranked], problem: Problem, target: Target) -> Ranked:
+    """The model's pick from ``ranked`` (fastest predicted first): the fastest, unless
+    the registry's default is ranked and predicted within ``MARGIN`` of it."""
+    default = registry.default_candidate(problem, target)
+    return _with_margin(ranked, default.name, default.default_for(problem, target))
 
 
 def thinned(cand: Candidate, problem: Problem, target: Target, limit: int | None = None) -> list[Knobs]:
@@ -465,13 +469,17 @@ def find(target: Target, log_dir: str | os.PathLike | None = None) -> tuple[path
             raise FileNotFoundError(f"${MODEL_ENV}={chosen}: no model file at {path}")
         paths.insert(0, path)
     for path in paths:
-        if path.exists():
-            key = (str(path), path.stat().st_mtime)
-            if key not in _MODELS:
-                _MODELS[key] = CostModel.load(path)
-            if _MODELS[key].target_key == targets.key(target):
-                return path, _MODELS[key]
+        if path.exists() and (model := load_cached(path)).target_key == targets.key(target):
+            return path, model
     return None
+
+
+def load_cached(path: pathlib.Path) -> CostModel:
+    """The model file at ``path``, loaded once per modification time."""
+    key = (str(path), path.stat().st_mtime)
+    if key not in _MODELS:
+        _MODELS[key] = CostModel.load(path)
+    return _MODELS[key]
 
 
 # -- leave one shape out --------------------------------------------------------------
@@ -520,17 +528,16 @@ def _judged(model: CostModel, held: Problem, test: Sequence[Row], target: Target
     rule dispatch uses."""
     from scipy.stats import spearmanr
 
-    predicted = model.predict_many(held, [(r.candidate, r.knobs) for r in test])
+    configs = [(r.candidate, r.knobs) for r in test]
+    predicted = model.predict_many(held, configs)
     measured = np.array([r.seconds for r in test])
+    chosen = pick(_fastest_first(configs, predicted), held, target)
+    pick_seconds = measured[configs.index((chosen.candidate, chosen.knobs))]
+    rho = spearmanr(predicted, measured).statistic if len(test) > 2 else float("nan")
     default = registry.default_candidate(held, target)
     default_knobs = default.default_for(held, target)
-    order = np.argsort(predicted, kind="stable")
-    pick = _with_margin([Ranked(test[i].candidate, test[i].knobs, float(predicted[i])) for i in order],
-                        default.name, default_knobs)
-    pick_seconds = next(r.seconds for r in test if (r.candidate, r.knobs) == (pick.candidate, pick.knobs))
-    rho = spearmanr(predicted, measured).statistic if len(test) > 2 else float("nan")
     timed_default = [r.seconds for r in test if r.candidate == default.name and r.knobs == default_knobs]
-    return HeldOut(held.key(), len(test), f"{pick.candidate} [{pick.knobs}]", pick_seconds / measured.min(),
+    return HeldOut(held.key(), len(test), f"{chosen.candidate} [{chosen.knobs}]", pick_seconds / measured.min(),
                    float(rho), timed_default[0] / measured.min() if timed_default else float("nan"))
 
 
@@ -555,5 +562,5 @@ def _geomean(values: Sequence[float]) -> float:
 
 
 __all__ = ["CostModel", "HeldOut", "Ranked", "Row", "Schema", "database_folder", "evaluate", "evaluate_held_out",
-           "find", "model_file", "shipped_model",
+           "find", "load_cached", "model_file", "pick", "shipped_model",
            "problem_features", "report", "thinned", "training_rows"]

@@ -139,10 +139,10 @@ def _cost_model_choice(problem: Problem, target: Target, log_dir: str | os.PathL
     if chosen is None:
         return None
     pick, ranked = chosen
-    others = [r for r in ranked if (r.candidate, r.knobs) != (pick.candidate, pick.knobs)]
     if pick is ranked[0]:
-        why = (f"predicted {pick.seconds * 1e3:.4f} ms; second best {others[0].candidate} [{others[0].knobs}] "
-               f"{others[0].seconds * 1e3:.4f} ms" if others else f"predicted {pick.seconds * 1e3:.4f} ms")
+        why = f"predicted {pick.seconds * 1e3:.4f} ms"
+        if len(ranked) > 1:
+            why += f"; second best {ranked[1].candidate} [{ranked[1].knobs}] {ranked[1].seconds * 1e3:.4f} ms"
     else:
         why = (f"the default, predicted {pick.seconds * 1e3:.4f} ms, kept: the fastest predicted, "
                f"{ranked[0].candidate} [{ranked[0].knobs}] at {ranked[0].seconds * 1e3:.4f} ms, is within "

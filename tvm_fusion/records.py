@@ -136,7 +136,7 @@ def compact(folder: str | os.PathLike) -> int:
     import base64
     import struct
 
-    path = pathlib.Path(folder) / "database_workload.json"
+    path = pathlib.Path(folder) / WORKLOADS
     before = path.read_bytes()
     lines = []
     for line in before.decode().splitlines():

@@ -291,10 +291,9 @@ def measure_seeds(problem: Problem, target: Target, builder: Any, runner: Any, d
     Returns the configurations logged; none without a model for the operator."""
     from . import cost_model
 
-    found = cost_model.find(target)
-    path = cost_model.shipped_model(target)
-    model = found[1] if found is not None else cost_model.CostModel.load(path) if path.exists() else None
-    if model is None or model.target_key != targets.key(target):
+    found, shipped = cost_model.find(target), cost_model.shipped_model(target)
+    model = found[1] if found is not None else cost_model.load_cached(shipped) if shipped.exists() else None
+    if model is None:
         return 0
     default = registry.default_candidate(problem, target)
     default_knobs = default.default_for(problem, target)
@@ -456,8 +455,10 @@ def grid_records(
     max_configs: int | None = None,
     progress: Callable[[int, float], None] | None = None,
     runner_timeout: float = RUN_TIMEOUT_S,
+    configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]] | None = None,
 ) -> int:
-    """Time every configuration of :func:`grid_configs` with the tuner's builder and
+    """Time every configuration of :func:`grid_configs` (or ``configs``, where the
+    caller has them already) with the tuner's builder and
     runner, and append each to the MetaSchedule database in ``<log_dir>/<target>/``
     as a tuning record (so dispatch, ``records.curve`` and ``cost_model.training_rows``
     read them like a tune's). A configuration that fails to build or run (too many
@@ -465,9 +466,11 @@ def grid_records(
     (:func:`untimed`: a grid cut off by a time limit resumes where it stopped). Returns
     the records written."""
     target = targets.with_limits(targets.resolve(target))
-    configs = untimed(grid_configs(problems, target, max_configs), log_dir, target)
+    if configs is None:
+        configs = untimed(grid_configs(problems, target, max_configs), log_dir, target)
     database = records.json_database(records.folder(log_dir, target))
-    builder, runner = PoolBuilder(workers()) if workers() > 2 else None, make_runner(runner_timeout)
+    builder, runner = PoolBuilder(workers()) if workers() > 2 else InProcessBuilder(), make_runner(runner_timeout)
+    pooled = isinstance(builder, PoolBuilder)
     written, best, runs = 0, float("inf"), []
     try:
         with tvm.transform.PassContext(opt_level=3), target:
@@ -476,16 +479,16 @@ def grid_records(
                 batch = configs[start:start + GRID_BATCH]
                 scheduled = _scheduled(batch, target)
                 mods = [sch.mod for _, sch in scheduled]
-                pending = (builder.submit(mods, target) if builder is not None else
-                           InProcessBuilder().build([ms.builder.BuilderInput(mod, target) for mod in mods]))
+                pending = (builder.submit(mods, target) if pooled else
+                           builder.build([ms.builder.BuilderInput(mod, target) for mod in mods]))
                 logged = _log_runs(database, target, runs)
                 written, best = written + len(logged), min([best, *logged])
                 if progress is not None and start:
                     progress(min(start, len(configs)), best)
-                built = [PoolBuilder.result(f) for f in pending] if builder is not None else pending
+                built = [PoolBuilder.result(f) for f in pending] if pooled else pending
                 runs = _start_runs(runner, target, scheduled, built) if scheduled else []
     finally:
-        if builder is not None:
+        if pooled:
             builder.close()
     records.invalidate()
     return written
