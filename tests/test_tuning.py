@@ -273,3 +273,24 @@ def test_every_cuda_task_takes_only_its_candidates_postprocs(op, shape):
         for sch in generator.generate_design_space(ctx.mod):
             for postproc in generator.postprocs:
                 postproc.apply(sch)  # True or False (too many threads, say), never an error
+
+
+def test_tasks_are_made_without_parsing_the_tensor_intrinsics():
+    """``ms.TuneContext`` imports ``tvm.s_tir.tensor_intrin`` (248 TVMScript parses,
+    91 of a one-shape CPU tune's 106 s on the CI machine) for intrinsics these spaces
+    never use. ``tasks_for`` makes its contexts without it, leaves no placeholder
+    behind, and the real module still imports after."""
+    code = (
+        "import sys, tvm_fusion as tf\n"
+        "from tvm_fusion.tuner import tasks_for, TENSOR_INTRINSICS\n"
+        "from tvm_fusion import targets\n"
+        "assert TENSOR_INTRINSICS not in sys.modules\n"
+        "for op, shape in (('bn_stats', (8, 16, 14, 14)), ('cross_entropy', (64, 1000))):\n"
+        "    assert tasks_for(tf.make_problem(op, shape, 'float32'), targets.resolve('llvm'))\n"
+        "assert TENSOR_INTRINSICS not in sys.modules, 'parsed or left behind'\n"
+        "import importlib.util\n"
+        "assert importlib.util.find_spec(TENSOR_INTRINSICS) is not None\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]
