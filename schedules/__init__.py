@@ -42,6 +42,7 @@ from .cuda import (  # noqa: F401
     cross_entropy_online,
     cross_entropy_row_in_shared,
     cross_entropy_warp_per_row,
+    cross_entropy_warp_per_row_padded,
 )
 
 DISPATCH_ORDER = {
@@ -54,6 +55,7 @@ DISPATCH_ORDER = {
     ("cross_entropy", "cuda"): [
         "cross_entropy_aligned_rows",
         "cross_entropy_warp_per_row",
+        "cross_entropy_warp_per_row_padded",
         "cross_entropy_row_in_shared",
         "cross_entropy_online",
         "cross_entropy_block_per_row",

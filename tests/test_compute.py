@@ -54,7 +54,7 @@ def test_shifted_sums_survive_cancellation_where_one_pass_does_not():
 @pytest.mark.parametrize("smoothing", [0.0, 0.2])
 def test_ce_decompositions(algorithm, reduction, weighted, smoothing):
     gen = rng()
-    batch, classes = 9, 37
+    batch, classes = 9, 40 if algorithm == "padded_three_pass" else 37  # padded: whole 16-byte granules
     logits = random_floats(gen, (batch, classes), "float32", scale=3.0)
     target = gen.integers(0, classes, batch)
     target[[1, 5]] = -100
@@ -94,6 +94,41 @@ def test_ce_aligned_online_every_row_residue(dtype, classes, weighted, smoothing
     tol = TOLERANCES[dtype]
     assert_close(loss.reshape(ref.shape), ref, tol["rtol"], tol["atol"], "aligned_online loss")
     assert first_bad[0] == batch
+
+# No bfloat16 here: unscheduled, the granules map is a bfloat16 buffer, which TVM's
+# LLVM bfloat16 legalization miscompiles ("Invalid bitcast float to i16"). The CUDA
+# candidate inlines the map; tests/test_gpu_sweep.py runs it on bfloat16.
+@pytest.mark.parametrize("dtype, classes", [("float16", 1000), ("float16", 256), ("float32", 4), ("float32", 1028)])
+@pytest.mark.parametrize("weighted, smoothing", [(False, 0.0), (True, 0.2), (False, 0.1)])
+def test_ce_padded_three_pass(dtype, classes, weighted, smoothing):
+    """``padded_three_pass`` reduces over granules padded to a multiple of 32: 125 of
+    128, 32 of 32, 1 of 32 and 257 of 288 here. The padding must add nothing (a pad
+    granule reads the last one again), with the largest logit placed in the last
+    granule so that a pad read counted twice would show in the sums."""
+    gen = rng()
+    batch = 5
+    logits = random_floats(gen, (batch, classes), dtype, scale=3.0)
+    logits[:, -1] = 8.0  # the row max sits in the granule the padding re-reads
+    target = gen.integers(0, classes, batch)
+    target[0], target[3] = classes - 1, -100
+    weight = gen.random(classes).astype(np.float32) + 0.1 if weighted else None
+    problem = cross_entropy_problem(
+        logits.shape, dtype, target.shape, "int64", None if weight is None else weight.shape,
+        "float32", -100, "none", smoothing,
+    )
+    inputs = [logits, target] + ([weight] if weighted else [])
+    loss, first_bad = run_unscheduled(prim_func(problem, "padded_three_pass"), inputs)
+    ref = ce_ref.reference(logits, target, weight, -100, "none", smoothing)
+    tol = TOLERANCES[dtype]
+    assert_close(loss.reshape(ref.shape), ref, tol["rtol"], tol["atol"], "padded_three_pass loss")
+    assert first_bad[0] == batch
+
+
+def test_ce_padded_three_pass_names_a_ragged_row():
+    problem = cross_entropy_problem((4, 1001), "float16", (4,), "int64", None, "float32", -100, "mean", 0.0)
+    with pytest.raises(ValueError, match="padded_three_pass needs V a multiple of 8"):
+        prim_func(problem, "padded_three_pass")
+
 
 BN_TRAIN_SHAPES = [((3, 4, 5, 6), "NCHW"), ((2, 5, 3, 4), "NHWC"), ((7, 3), "NCHW"), ((2, 3, 11), "NCHW")]
 

@@ -284,3 +284,31 @@ def test_rows_go_through_shared_memory_only_when_rows_divide_the_vector():
         knobs = cand.knobs(**dict(cand.default_for(problem, CUDA).__dict__, **case))
         source = build_kernel(problem, CUDA, cand.name, knobs).device_source()
         assert ("_rf_shared_ptr" in source) == shared, knobs
+
+
+def _row_kernel_ptx(ptx: str) -> str:
+    """The PTX of ``main_kernel`` (the row kernel) alone."""
+    start = ptx.index(".entry main_kernel(")
+    end = ptx.find(".entry", start + 1)
+    return ptx[start:] if end < 0 else ptx[start:end]
+
+
+V4_LOAD = r"ld\.global(?:\.nc)?(?:\.L\d::\w+)*\.v4\.(?:u|b|f)32"
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("shape, dtype, per_lane", [((65536, 1000), "float16", 4), ((64, 4096), "bfloat16", 16),
+                                                    ((512, 1000), "float32", 8), ((1000, 8), "float16", 1)])
+def test_padded_warp_rows_load_each_granule_once_and_unguarded(shape, dtype, per_lane):
+    """``cross_entropy_warp_per_row_padded`` (default knobs): a lane's 16-byte loads in
+    the row kernel's PTX are exactly its granules (Gp / 32), none predicated. nvcc
+    keeps the row in registers for the second pass, so the row is read once; the
+    unpadded ``cross_entropy_warp_per_row`` guards every load, and its second pass
+    loads the row again."""
+    problem = tf.make_problem("cross_entropy", shape, dtype)
+    ptx = _row_kernel_ptx(cuda_report(build_kernel(problem, CUDA, "cross_entropy_warp_per_row_padded")).ptx)
+    assert len(re.findall(V4_LOAD, ptx)) == per_lane
+    assert not re.findall(r"@%p\d+\s+" + V4_LOAD, ptx), "a granule load is predicated"
+    if shape == (65536, 1000):
+        plain = _row_kernel_ptx(cuda_report(build_kernel(problem, CUDA, "cross_entropy_warp_per_row")).ptx)
+        assert len(re.findall(V4_LOAD, plain)) > per_lane  # its second pass loads the row again

@@ -42,6 +42,8 @@ CE_SHAPES = [
     ((128, 32000), {}), ((1, 151936), {}), ((3, 50257), {"reduction": "none"}),
     ((257, 1000), {"weight": True, "label_smoothing": 0.1, "target_dtype": "int32"}),
     ((64, 32000), {"reduction": "sum", "label_smoothing": 0.2}),
+    # padded rows: 16 granules a lane for 16-bit V = 4096; one real granule and 31 pads for V = 8
+    ((33, 4096), {"reduction": "none"}), ((1000, 8), {"weight": True, "label_smoothing": 0.1}),
 ]
 DTYPES = ["float16", "bfloat16", "float32"]
 

@@ -35,6 +35,19 @@ Decompositions of the per-row log-sum-exp, as TE compute:
     Same float32 numerics as ``online``; a schedule lays each granule's register stage
     out by the flat granules ((iV + k) / c, (iV + k) mod c) so its c values sit at
     constant register indices (schedules/cuda/cross_entropy_aligned_rows.py).
+``padded_three_pass``  ``x(SRR) -> max(S) -> exp, sum(S) -> row_loss(S) -> batch(R)``
+    ``three_pass`` over the row's G = V / c granules padded to a multiple of a warp's
+    32 lanes, Gp (V a multiple of c, rows 16-byte aligned): the reductions run over
+    (g, v) in [0, Gp) x [0, c), granule g read at min(g, G - 1), its values masked
+    by a select where g >= G (-inf for the max, 0 for the sums).
+    0. granules[i, g, v] = x[i, c min(g, G-1) + v]     (a map a schedule inlines)
+    1. row_max[i]    = max_{g,v} (g < G ? granules[i, g, v] : -inf)
+    2. row_sumexp[i] = sum_{g,v} exp((g < G ? granules[i, g, v] : -inf) - row_max[i])
+    The padded domain splits evenly over 32 lanes, so a lane's loads carry no guard:
+    ``three_pass`` split the same way gives every load of the last step a bounds
+    branch, and nvcc then issued a lane's 16-byte loads one at a time (the SASS of
+    ``cross_entropy_warp_per_row`` on 65536x1000 fp16: four LDG.128 per pass, each
+    behind its own branch). Same float32 numerics as ``three_pass``.
 
 Then the batch stage (not for reduction="none"):
     4. (total, denom, first_bad) = (sum_i row_loss[i], sum_i w[t_i] [t_i valid], min bad row)
@@ -71,7 +84,8 @@ from .primitives import (
     widen,
 )
 
-ALGORITHMS = ("three_pass", "online", "three_pass_poly_exp", "aligned_online")
+ALGORITHMS = ("three_pass", "online", "three_pass_poly_exp", "aligned_online", "padded_three_pass")
+PAD_LANES = 32  # padded_three_pass pads a row's granules to a multiple of a warp's lanes
 VECTOR_BYTES = 16  # one aligned load of ``aligned_online``'s granules
 
 
@@ -114,6 +128,8 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
     n_extra = (2 if weighted else 1) if smoothing else 0
     if algorithm == "aligned_online":
         return aligned_row_statistics(problem, logits, weight, idx)
+    if algorithm == "padded_three_pass":
+        return padded_row_statistics(problem, logits, weight, idx)
     exp = poly_exp if algorithm == "three_pass_poly_exp" else te.exp
     if algorithm in ("three_pass", "three_pass_poly_exp"):
         row_max = te.compute(rows, lambda i: te.max(x(i, k), axis=k), name="row_max")
@@ -175,6 +191,69 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
         row_sumexp, row_max, extra = stats[0], stats[1], list(stats[2:])
 
     return row_max, row_sumexp, extra
+
+
+def padded_granules(problem) -> tuple[int, int]:
+    """``padded_three_pass``'s (G, Gp): the row's 16-byte granules and their count
+    padded to a multiple of ``PAD_LANES``; a ValueError where V is not a multiple of
+    a granule's elements (a row not on the 16-byte grid: ``aligned_online``'s case)."""
+    c = granule(problem.dtype)
+    if problem.classes % c:
+        raise ValueError(f"cross_entropy: padded_three_pass needs V a multiple of {c} for {problem.dtype}, "
+                         f"got V = {problem.classes}")
+    granules = problem.classes // c
+    return granules, -(-granules // PAD_LANES) * PAD_LANES
+
+
+def padded_row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx: str) -> tuple:
+    """``padded_three_pass``'s ``(row_max, row_sumexp, extra)`` (as :func:`row_statistics`).
+
+    The padded row is a map of its own, ``granules[i, g, v]`` (B, Gp, c), that a
+    schedule inlines into its register stages: a stage of ``granules`` at one granule
+    is one granule exactly, where a stage of ``logits`` behind the clamp (not affine)
+    got a bound check back from the region analysis."""
+    batch, _ = dims(problem.shape, idx)
+    rows = [batch]
+    c = granule(problem.dtype)
+    count, padded = padded_granules(problem)
+    C, last = tirx.IntImm(idx, c), tirx.IntImm(idx, count - 1)
+    smoothing = problem.label_smoothing > 0.0
+
+    def col(g, v):  # granule g, clamped into the row: always a whole aligned granule
+        return tirx.min(g, last) * C + v
+
+    granules = te.compute([batch, tirx.IntImm(idx, padded), C], lambda i, g, v: logits[i, col(g, v)],
+                          name="granules")
+
+    def x(i, g, v):
+        return widen(granules[i, g, v], problem.dtype)
+
+    def masked(g, value, pad):
+        return tirx.Select(g < tirx.IntImm(idx, count), value, tirx.const(pad, "float32"))
+
+    def axes(suffix):
+        return (te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, padded)), name=f"g{suffix}"),
+                te.reduce_axis((tirx.IntImm(idx, 0), C), name=f"v{suffix}"))
+
+    g, v = axes("")
+    row_max = te.compute(rows, lambda i: te.max(masked(g, x(i, g, v), -float("inf")), axis=[g, v]), name="row_max")
+    g2, v2 = axes("2")
+
+    def sumexp_body(i):
+        # exp(-inf - max) = 0 on a pad: no select after the exp, whose guard nvcc
+        # compiled as a branch around each MUFU.EX2
+        terms = (te.exp(masked(g2, x(i, g2, v2), -float("inf")) - row_max[i]),)
+        if smoothing:
+            k = col(g2, v2)
+            plain = (weight[k] * x(i, g2, v2), weight[k]) if problem.has_weight else (x(i, g2, v2),)
+            terms += tuple(masked(g2, t, 0.0) for t in plain)
+        if len(terms) == 1:
+            return te.sum(terms[0], axis=[g2, v2])
+        return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=[g2, v2])
+
+    stats = te.compute(rows, sumexp_body, name="row_sumexp")
+    stats = stats if isinstance(stats, (list, tuple)) else [stats]
+    return row_max, stats[0], list(stats[1:])
 
 
 def aligned_row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx: str) -> tuple:

@@ -1,0 +1,89 @@
+"""One warp per row over the row's 16-byte granules padded to 32 lanes (short rows).
+
+Pattern ``x(SRR) -> max(S) -> exp, sum(S) -> row_loss(S) -> batch(R)``, the
+``padded_three_pass`` decomposition: ``cross_entropy_warp_per_row``'s kernel on a
+reduction domain that splits evenly over a warp.
+
+Why (read before it was written): ``cross_entropy_warp_per_row`` on 65536x1000 fp16
+took 0.0513 ms on the H200, 61% of the copy bandwidth. The row's 125 granules split
+over 32 lanes as 4 steps, the last one partial, and TVM guards every statement of a
+step with that bound. nvcc turned each guard into a branch around the step's load and
+its arithmetic, so the SASS of both passes issues a lane's four LDG.E.128 one at a
+time, each after the previous step's arithmetic. Per SM that leaves about 16 bytes
+a lane in flight, 32 KB, at the edge of what HBM's latency asks for. Here the domain
+is 128 granules (the last real one read again for the 3 pads and masked by a
+select), so no statement has a guard and the loads of a pass can issue together.
+
+1. Rows are split ``[blockIdx.x, threadIdx.y]``: ``rows`` warps per block, one row each.
+2. Each pass is split ``[threadIdx.x (32), serial, granule]`` and staged through
+   registers with 16-byte loads (the ``granules`` map inlined into each stage); the cross-lane step is five ``__shfl_down_sync``.
+   The second pass re-reads the row from L1.
+3. Lane 0 of each warp writes the row loss; the batch kernel follows.
+
+Not preferred by dispatch until an H200 run has timed it against
+``cross_entropy_warp_per_row``; tunable, and the tuner and grids time it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from tvm_fusion.compute.cross_entropy import granule, padded_granules
+from tvm_fusion.contracts import CrossEntropyProblem
+from tvm_fusion.registry import Candidate, Knobs, register
+
+from ..common import outputs_to, single_thread, thread_reduce
+from .common import WARP, schedule_ce_batch_stage
+
+MAX_STEPS = 16  # granules per lane, as cross_entropy_warp_per_row's MAX_VECTORS_PER_LANE
+
+
+@dataclass(frozen=True)
+class PaddedWarpPerRowKnobs(Knobs):
+    rows: int = 4  # warps (rows) per block
+    unroll: int = 256  # TVM's auto-unroll steps: 256 unrolls a whole pass (<= 16 granules of <= 8 values)
+
+
+@register
+class CrossEntropyWarpPerRowPadded(Candidate):
+    name = "cross_entropy_warp_per_row_padded"
+    op = "cross_entropy"
+    target_kind = "cuda"
+    algorithm = "padded_three_pass"
+    knobs = PaddedWarpPerRowKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyProblem) -> bool:
+        if problem.op != self.op or problem.classes % granule(problem.dtype):
+            return False
+        return padded_granules(problem)[1] <= WARP * MAX_STEPS
+
+    def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
+        return False  # not yet timed on a GPU: see the module docstring
+
+    def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
+        return {"rows": [1, 2, 4, 8, 16], "unroll": [1, 16, 64, 256]}
+
+    def default_for(self, problem: CrossEntropyProblem, target: Target) -> PaddedWarpPerRowKnobs:
+        return PaddedWarpPerRowKnobs(rows=8, unroll=256)
+
+    def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:
+        # 1. Rows over (blockIdx.x, threadIdx.y).
+        epilogue = sch.get_sblock("loss" if problem.reduction == "none" else "row_loss")
+        (row,) = sch.get_loops(epilogue)
+        block_rows, warp_row = sch.split(row, [None, knobs.rows])
+        sch.bind(block_rows, "blockIdx.x")
+        sch.bind(warp_row, "threadIdx.y")
+        # 2. Each pass across the 32 lanes, a granule (16 bytes) a load.
+        for name in ("row_sumexp", "row_max"):
+            block = sch.get_sblock(name)
+            sch.compute_at(block, warp_row, preserve_unit_loops=True)
+            thread_reduce(sch, block, 2, WARP, granule(problem.dtype), knobs.unroll, "granules")
+            outputs_to(sch, block, "local")  # registers: see cross_entropy_warp_per_row
+        # The padded row's map into each register stage: a clamped 16-byte load.
+        sch.compute_inline(sch.get_sblock("granules"))
+        # 3. Lane 0 writes the row loss.
+        single_thread(sch, epilogue, WARP)
+        schedule_ce_batch_stage(sch, problem.reduction)
