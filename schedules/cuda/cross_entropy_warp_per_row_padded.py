@@ -13,11 +13,15 @@ time, each after the previous step's arithmetic. Per SM that leaves about 16 byt
 a lane in flight, 32 KB, at the edge of what HBM's latency asks for. Here the domain
 is 128 granules (the last real one read again for the 3 pads and masked by a
 select), so no statement has a guard and the loads of a pass can issue together.
+Read in the PTX and SASS (nvcc 13, sm_90): the four LDG.E.128 of a lane issue back to
+back, and for the plain mean or sum nvcc also keeps them in registers for the second
+pass, so the row is read from memory once (47 registers, no spills). With a weight
+and smoothing, or for reduction="none", the second pass loads the row again (from L1).
 
 1. Rows are split ``[blockIdx.x, threadIdx.y]``: ``rows`` warps per block, one row each.
 2. Each pass is split ``[threadIdx.x (32), serial, granule]`` and staged through
-   registers with 16-byte loads (the ``granules`` map inlined into each stage); the cross-lane step is five ``__shfl_down_sync``.
-   The second pass re-reads the row from L1.
+   registers with 16-byte loads (the ``granules`` map inlined into each stage); the
+   cross-lane step is five ``__shfl_down_sync``. ``unroll`` 256 unrolls a whole pass.
 3. Lane 0 of each warp writes the row loss; the batch kernel follows.
 
 Not preferred by dispatch until an H200 run has timed it against
