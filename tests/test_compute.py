@@ -72,6 +72,22 @@ def test_ce_decompositions(algorithm, reduction, weighted, smoothing):
 
 
 
+def check_row_losses(algorithm, dtype, logits, target, weight, smoothing):
+    """``algorithm``'s per-row losses (reduction "none", unscheduled on the CPU) against
+    float64, and no bad row flagged (``weight`` None or float64 values, made float32)."""
+    weight = None if weight is None else weight.astype(np.float32)
+    problem = cross_entropy_problem(
+        logits.shape, dtype, target.shape, "int64", None if weight is None else weight.shape,
+        "float32", -100, "none", smoothing,
+    )
+    inputs = [logits, target] + ([] if weight is None else [weight])
+    loss, first_bad = run_unscheduled(prim_func(problem, algorithm), inputs)
+    ref = ce_ref.reference(logits, target, weight, -100, "none", smoothing)
+    tol = TOLERANCES[dtype]
+    assert_close(loss.reshape(ref.shape), ref, tol["rtol"], tol["atol"], f"{algorithm} loss")
+    assert first_bad[0] == logits.shape[0]
+
+
 @pytest.mark.parametrize("dtype, classes", [("float16", 1001), ("bfloat16", 1003), ("float32", 1001), ("float32", 1002)])
 @pytest.mark.parametrize("weighted, smoothing", [(False, 0.0), (True, 0.2)])
 def test_ce_aligned_online_every_row_residue(dtype, classes, weighted, smoothing):
@@ -83,17 +99,8 @@ def test_ce_aligned_online_every_row_residue(dtype, classes, weighted, smoothing
     target = gen.integers(0, classes, batch)
     target[:4] = [0, classes - 1, 1, classes - 2]  # classes only the head or the tail reads
     target[[5, 9]] = -100
-    weight = gen.random(classes).astype(np.float32) + 0.1 if weighted else None
-    problem = cross_entropy_problem(
-        logits.shape, dtype, target.shape, "int64", None if weight is None else weight.shape,
-        "float32", -100, "none", smoothing,
-    )
-    inputs = [logits, target] + ([weight] if weighted else [])
-    loss, first_bad = run_unscheduled(prim_func(problem, "aligned_online"), inputs)
-    ref = ce_ref.reference(logits, target, weight, -100, "none", smoothing)
-    tol = TOLERANCES[dtype]
-    assert_close(loss.reshape(ref.shape), ref, tol["rtol"], tol["atol"], "aligned_online loss")
-    assert first_bad[0] == batch
+    check_row_losses("aligned_online", dtype, logits, target, gen.random(classes) + 0.1 if weighted else None,
+                     smoothing)
 
 # No bfloat16 here: unscheduled, the granules map is a bfloat16 buffer, which TVM's
 # LLVM bfloat16 legalization miscompiles ("Invalid bitcast float to i16"). The CUDA
@@ -111,17 +118,8 @@ def test_ce_padded_three_pass(dtype, classes, weighted, smoothing):
     logits[:, -1] = 8.0  # the row max sits in the granule the padding re-reads
     target = gen.integers(0, classes, batch)
     target[0], target[3] = classes - 1, -100
-    weight = gen.random(classes).astype(np.float32) + 0.1 if weighted else None
-    problem = cross_entropy_problem(
-        logits.shape, dtype, target.shape, "int64", None if weight is None else weight.shape,
-        "float32", -100, "none", smoothing,
-    )
-    inputs = [logits, target] + ([weight] if weighted else [])
-    loss, first_bad = run_unscheduled(prim_func(problem, "padded_three_pass"), inputs)
-    ref = ce_ref.reference(logits, target, weight, -100, "none", smoothing)
-    tol = TOLERANCES[dtype]
-    assert_close(loss.reshape(ref.shape), ref, tol["rtol"], tol["atol"], "padded_three_pass loss")
-    assert first_bad[0] == batch
+    check_row_losses("padded_three_pass", dtype, logits, target, gen.random(classes) + 0.1 if weighted else None,
+                     smoothing)
 
 
 def test_ce_padded_three_pass_names_a_ragged_row():

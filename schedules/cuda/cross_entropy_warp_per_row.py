@@ -69,21 +69,28 @@ class CrossEntropyWarpPerRow(Candidate):
         return WarpPerRowKnobs(rows=4, vector=vector, unroll=16)
 
     def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:
-        # 1. Rows over (blockIdx.x, threadIdx.y).
-        epilogue = sch.get_sblock("loss" if problem.reduction == "none" else "row_loss")
-        (row,) = sch.get_loops(epilogue)
-        block_rows, warp_row = sch.split(row, [None, knobs.rows])
-        sch.bind(block_rows, "blockIdx.x")
-        sch.bind(warp_row, "threadIdx.y")
-        # 2. Each pass across the 32 lanes of the row's warp.
-        for name in ("row_sumexp", "row_max"):
-            block = sch.get_sblock(name)
-            sch.compute_at(block, warp_row, preserve_unit_loops=True)
-            thread_reduce(sch, block, 2, WARP, knobs.vector, knobs.unroll, "logits")
-            # In registers: every lane holds the shuffled result. In shared memory,
-            # lane 0's store raced the other lanes' reads (no __syncwarp between):
-            # the GPU sweep saw rows lose their max, loss off by ~40 at logits ~38.
-            outputs_to(sch, block, "local")
+        epilogue = warp_rows(sch, problem, knobs.rows, knobs.vector, knobs.unroll, "logits")
         # 3. Lane 0 writes the row loss.
         single_thread(sch, epilogue, WARP)
         schedule_ce_batch_stage(sch, problem.reduction)
+
+
+def warp_rows(sch, problem: CrossEntropyProblem, rows, vector, unroll, staged: str):
+    """Steps 1-2: the rows over ``(blockIdx.x, threadIdx.y)``, ``rows`` warps a block,
+    and each row's two passes across its warp's 32 lanes, ``staged`` (the buffer the
+    passes read) through registers ``vector`` values a load. Returns the row loss's
+    block."""
+    epilogue = sch.get_sblock("loss" if problem.reduction == "none" else "row_loss")
+    (row,) = sch.get_loops(epilogue)
+    block_rows, warp_row = sch.split(row, [None, rows])
+    sch.bind(block_rows, "blockIdx.x")
+    sch.bind(warp_row, "threadIdx.y")
+    for name in ("row_sumexp", "row_max"):
+        block = sch.get_sblock(name)
+        sch.compute_at(block, warp_row, preserve_unit_loops=True)
+        thread_reduce(sch, block, 2, WARP, vector, unroll, staged)
+        # In registers: every lane holds the shuffled result. In shared memory,
+        # lane 0's store raced the other lanes' reads (no __syncwarp between):
+        # the GPU sweep saw rows lose their max, loss off by ~40 at logits ~38.
+        outputs_to(sch, block, "local")
+    return epilogue

@@ -38,8 +38,9 @@ from tvm_fusion.compute.cross_entropy import granule, padded_granules
 from tvm_fusion.contracts import CrossEntropyProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 
-from ..common import outputs_to, single_thread, thread_reduce
+from ..common import single_thread
 from .common import WARP, schedule_ce_batch_stage
+from .cross_entropy_warp_per_row import warp_rows
 
 MAX_STEPS = 16  # granules per lane, as cross_entropy_warp_per_row's MAX_VECTORS_PER_LANE
 
@@ -74,18 +75,8 @@ class CrossEntropyWarpPerRowPadded(Candidate):
         return PaddedWarpPerRowKnobs(rows=8, unroll=256)
 
     def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:
-        # 1. Rows over (blockIdx.x, threadIdx.y).
-        epilogue = sch.get_sblock("loss" if problem.reduction == "none" else "row_loss")
-        (row,) = sch.get_loops(epilogue)
-        block_rows, warp_row = sch.split(row, [None, knobs.rows])
-        sch.bind(block_rows, "blockIdx.x")
-        sch.bind(warp_row, "threadIdx.y")
-        # 2. Each pass across the 32 lanes, a granule (16 bytes) a load.
-        for name in ("row_sumexp", "row_max"):
-            block = sch.get_sblock(name)
-            sch.compute_at(block, warp_row, preserve_unit_loops=True)
-            thread_reduce(sch, block, 2, WARP, granule(problem.dtype), knobs.unroll, "granules")
-            outputs_to(sch, block, "local")  # registers: see cross_entropy_warp_per_row
+        # 1-2. cross_entropy_warp_per_row's rows and passes, a granule (16 bytes) a load.
+        epilogue = warp_rows(sch, problem, knobs.rows, granule(problem.dtype), knobs.unroll, "granules")
         # The padded row's map into each register stage: a clamped 16-byte load.
         sch.compute_inline(sch.get_sblock("granules"))
         # 3. Lane 0 writes the row loss.
