@@ -39,6 +39,7 @@ from .cuda import (  # noqa: F401
     cross_entropy_grad_online,
     cross_entropy_grad_row_in_shared,
     cross_entropy_grad_warp_per_row,
+    cross_entropy_grad_warp_per_row_padded,
     cross_entropy_online,
     cross_entropy_row_in_shared,
     cross_entropy_warp_per_row,
@@ -64,6 +65,7 @@ DISPATCH_ORDER = {
     ("cross_entropy_grad", "cuda"): [
         "cross_entropy_grad_row_in_shared",
         "cross_entropy_grad_warp_per_row",
+        "cross_entropy_grad_warp_per_row_padded",
         "cross_entropy_grad_online",
         "cross_entropy_grad_block_per_row",
         "cross_entropy_grad_from_lse_warp_per_row",

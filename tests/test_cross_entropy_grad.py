@@ -239,7 +239,7 @@ def run_unscheduled(func, inputs):
 @pytest.mark.parametrize("reduction, weighted, smoothing", OPTIONS)
 def test_decompositions_unscheduled(algorithm, reduction, weighted, smoothing):
     gen = rng()
-    logits, target, weight = case(gen, 9, 37, weighted=weighted)
+    logits, target, weight = case(gen, 9, 40 if algorithm == "fused_padded" else 37, weighted=weighted)  # padded: whole granules
     target[1] = -100
     problem = problem_for(logits, target, weight, reduction, smoothing, MODE_OF[algorithm])
     inputs, dloss = kernel_inputs(problem, gen, logits, target, weight)
@@ -491,10 +491,30 @@ def test_nvcc_ptx_has_16_byte_loads_and_stores_and_no_spills(problem, candidate)
     report = cuda_report(kernel)
     assert not any(report.spill_bytes.values()) and not any(report.stack_bytes.values()), report
     assert (report.shuffles > 0) == expects_shuffles(registry.get(candidate), problem)
-    if kernel.knobs.vector * DTYPE_BYTES[problem.dtype] == 16:
+    vector = kernel.knobs.as_dict().get("vector", 16 // DTYPE_BYTES[problem.dtype])  # none: a granule a load
+    if vector * DTYPE_BYTES[problem.dtype] == 16:
         assert report.vector_loads > 0, "the vector knob says 16-byte loads but the PTX has none"
         assert re.search(r"st\.global(?:\.\w+)*\.v4\.(?:u|b|f)32", report.ptx), "no 16-byte store of dlogits"
 
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_padded_warp_gradient_reads_the_row_once():
+    """``cross_entropy_grad_warp_per_row_padded`` on 65536x1000 fp16 (default knobs): in
+    the row kernel's PTX a lane loads its 4 granules for the statistics, and the
+    gradient map reloads only the last, partial one (its step guarded by the row's
+    end); 4 16-byte stores of dlogits. The unpadded warp kernel loads the row again
+    for the map."""
+    def row_kernel(candidate):
+        ptx = cuda_report(build_kernel(cross_entropy_grad_problem((65536, 1000), "float16"), CUDA, candidate)).ptx
+        kernels = re.split(r"\.entry ", ptx)[1:]
+        return next(k for k in kernels if re.search(r"st\.global(?:\.\w+)*\.v4", k))
+
+    v4_load = r"ld\.global(?:\.nc)?\.v4\.(?:u|b|f)32"
+    padded = row_kernel("cross_entropy_grad_warp_per_row_padded")
+    assert len(re.findall(v4_load, padded)) == 5
+    assert len(re.findall(r"st\.global(?:\.\w+)*\.v4\.(?:u|b|f)32", padded)) == 4
+    assert len(re.findall(v4_load, row_kernel("cross_entropy_grad_warp_per_row"))) > 5
 
 @pytest.mark.parametrize("mode", MODES)
 def test_int64_offsets_past_two_to_the_31(mode):

@@ -56,25 +56,34 @@ class CrossEntropyGradWarpPerRow(Candidate):
     default_for = CrossEntropyWarpPerRow.default_for
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
-        # Kernel 1: the targets pass.
-        schedule_grad_prologue(sch, problem)
-        # 1. One row loop over (blockIdx.x, threadIdx.y).
-        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
-        coefficients_at(sch, problem, dlogits_row, "local")
-        loss = row_loss_name(problem)
-        row = merge_grad_rows(sch, problem)
-        block_rows, warp_row = sch.split(row, [None, knobs.rows])
-        sch.bind(block_rows, "blockIdx.x")
-        sch.bind(warp_row, "threadIdx.y")
-        # 2. Both statistics across the 32 lanes of the row's warp, in registers.
-        for name in ("row_max", "row_sumexp"):
-            block = sch.get_sblock(name)
-            thread_reduce(sch, block, 2, WARP, knobs.vector, knobs.unroll, "logits")
-            outputs_to(sch, block, "local")
-        # 4. The gradient over the row.
-        grad_map(sch, 2, WARP, knobs.vector, knobs.unroll)
-        # 3. lse and the row loss on lane 0.
-        for name in ("lse", loss):
-            single_thread(sch, sch.get_sblock(name), WARP)
-        # Kernel 3: the loss.
-        schedule_grad_batch_stage(sch, problem)
+        grad_warp_rows(sch, problem, knobs.rows, knobs.vector, knobs.unroll)
+
+
+def grad_warp_rows(sch, problem: CrossEntropyGradProblem, rows, vector, unroll, staged: str = "logits") -> None:
+    """The three kernels above: ``rows`` warps a block, each row's statistics over
+    ``staged`` (the logits, or a map of them that is then inlined into the register
+    stages) and its ``dlogits`` map, ``vector`` values a load."""
+    # Kernel 1: the targets pass.
+    schedule_grad_prologue(sch, problem)
+    # 1. One row loop over (blockIdx.x, threadIdx.y).
+    dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
+    coefficients_at(sch, problem, dlogits_row, "local")
+    loss = row_loss_name(problem)
+    row = merge_grad_rows(sch, problem)
+    block_rows, warp_row = sch.split(row, [None, rows])
+    sch.bind(block_rows, "blockIdx.x")
+    sch.bind(warp_row, "threadIdx.y")
+    # 2. Both statistics across the 32 lanes of the row's warp, in registers.
+    for name in ("row_max", "row_sumexp"):
+        block = sch.get_sblock(name)
+        thread_reduce(sch, block, 2, WARP, vector, unroll, staged)
+        outputs_to(sch, block, "local")
+    if staged != "logits":
+        sch.compute_inline(sch.get_sblock(staged))
+    # 4. The gradient over the row.
+    grad_map(sch, 2, WARP, vector, unroll)
+    # 3. lse and the row loss on lane 0.
+    for name in ("lse", loss):
+        single_thread(sch, sch.get_sblock(name), WARP)
+    # Kernel 3: the loss.
+    schedule_grad_batch_stage(sch, problem)

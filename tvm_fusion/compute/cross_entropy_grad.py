@@ -37,6 +37,9 @@ coef(S) -> dlogits(SS) | row_loss(R) -> loss``
 ``fused_online``  the same with the forward's ``online`` chunked statistics (1-2 in one
     read of the row; ``dlogits`` is the second).
 ``fused_poly_exp``  ``fused`` with the polynomial exp (LLVM vectorizes it).
+``fused_padded``  ``fused`` with the forward's ``padded_three_pass`` statistics (the row's
+    16-byte granules padded to a multiple of 32 lanes; V a multiple of a granule's
+    elements); ``dlogits`` reads the logits themselves.
 ``from_lse``  ``t(R) -> denom | w(R) -> W | coef(S) -> dlogits(SS)``
     0. ``denom`` (mean) over the targets and ``weight_total`` (W, with weight and
        smoothing) over the weight, each a first small pass; 3. the coefficients;
@@ -83,11 +86,12 @@ from .cross_entropy import (
 )
 from .primitives import DUAL_SUM, dims, index_dtype, logsumexp, poly_exp, tuple_reducer, widen
 
-ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp")
+ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp", "fused_padded")
 MODE_OF = {name: "from_lse" if name.startswith("from_lse") else "fused" for name in ALGORITHMS}
 DEFAULT_FOR_MODE = {"fused": "fused", "from_lse": "from_lse"}
 # The forward decomposition whose row statistics each fused decomposition reuses.
-STATISTICS = {"fused": "three_pass", "fused_online": "online", "fused_poly_exp": "three_pass_poly_exp"}
+STATISTICS = {"fused": "three_pass", "fused_online": "online", "fused_poly_exp": "three_pass_poly_exp",
+              "fused_padded": "padded_three_pass"}
 
 TARGET_SUMS = tuple_reducer(("sum", "min"), name="target_sums")
 F32 = "float32"

@@ -1,0 +1,53 @@
+"""Cross entropy and its gradient, one warp per row over the row's granules padded to 32 lanes.
+
+Pattern ``t(R) -> denom, first_bad | x(SRR) -> max(S) -> exp, sum(S) -> lse, row_loss,
+coef(S) -> dlogits(SS) | row_loss(R) -> loss``, the ``fused_padded`` decomposition:
+``cross_entropy_grad_warp_per_row`` with the statistics of
+``cross_entropy_warp_per_row_padded`` (whose docstring says why: no load of the two
+passes behind a guard, so a lane's 16-byte loads issue together). ``dlogits`` is
+``cross_entropy_grad_warp_per_row``'s map over the row itself, its steps guarded by
+the row's end (its stores must stay inside the row). Read in the SASS (nvcc 13,
+sm_90, 65536x1000 fp16): the statistics' four LDG.E.128 of a lane issue back to back,
+the map reuses three of them from registers and reloads only the last, partial
+granule, and stores with STG.E.128: the row is read from memory once and dlogits
+written once, the bytes floor's traffic (40 registers, no spills).
+
+Not preferred by dispatch until an H200 run has timed it against
+``cross_entropy_grad_row_in_shared`` (dispatch's pick for 65536x1000: the row read
+once into shared memory, a training step's kernel 1.41x its bytes floor).
+"""
+
+from __future__ import annotations
+
+from tvm_fusion.compute.cross_entropy import granule
+from tvm_fusion.contracts import CrossEntropyGradProblem
+from tvm_fusion.registry import Candidate, register
+
+from .cross_entropy_grad_warp_per_row import grad_warp_rows
+from .cross_entropy_warp_per_row_padded import CrossEntropyWarpPerRowPadded, PaddedWarpPerRowKnobs
+
+
+@register
+class CrossEntropyGradWarpPerRowPadded(Candidate):
+    name = "cross_entropy_grad_warp_per_row_padded"
+    op = "cross_entropy_grad"
+    target_kind = "cuda"
+    algorithm = "fused_padded"
+    knobs = PaddedWarpPerRowKnobs  # the forward's knobs: the same launch shape
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyGradProblem) -> bool:
+        # Not in place, as cross_entropy_grad_warp_per_row: a warp's shuffles order no
+        # memory, so a lane could store its gradient over a logit another lane reads.
+        return (problem.mode == "fused" and not problem.in_place
+                and CrossEntropyWarpPerRowPadded.applies(self, problem))
+
+    def prefers(self, problem: CrossEntropyGradProblem, target) -> bool:
+        return False  # not yet timed on a GPU: see the module docstring
+
+    choices = CrossEntropyWarpPerRowPadded.choices
+    default_for = CrossEntropyWarpPerRowPadded.default_for
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        # The statistics over the padded granules (their map inlined), a granule a load.
+        grad_warp_rows(sch, problem, knobs.rows, granule(problem.dtype), knobs.unroll, "granules")
