@@ -28,6 +28,7 @@ from .cuda import (  # noqa: F401
     bn_forward_small_plane,
     bn_forward_split_plane,
     bn_stats_block_per_channel,
+    bn_stats_block_per_channel_padded,
     bn_stats_channels_last,
     bn_stats_split_plane,
     bn_stats_warp_per_channel,
@@ -51,6 +52,7 @@ DISPATCH_ORDER = {
         "bn_stats_channels_last",
         "bn_stats_split_plane",
         "bn_stats_warp_per_channel",
+        "bn_stats_block_per_channel_padded",
         "bn_stats_block_per_channel",
     ],
     ("cross_entropy", "cuda"): [

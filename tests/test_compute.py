@@ -25,7 +25,7 @@ def run_unscheduled(func, inputs):
     return [o.numpy() for o in outs]
 
 
-@pytest.mark.parametrize("algorithm", ALGORITHMS["bn_stats"])
+@pytest.mark.parametrize("algorithm", [a for a in ALGORITHMS["bn_stats"] if a != "padded_shifted"])  # below
 @pytest.mark.parametrize("shape, layout", [((3, 4, 5, 6), "NCHW"), ((2, 5, 3, 4), "NHWC"), ((7, 3), "NCHW"), ((2, 3, 11), "NCHW")])
 def test_bn_decompositions(algorithm, shape, layout):
     x = random_floats(rng(), shape, "float32", loc=0.5, scale=2.0)
@@ -35,6 +35,28 @@ def test_bn_decompositions(algorithm, shape, layout):
     tol = TOLERANCES["float32"]
     assert_close(mean, ref_mean, tol["rtol"], tol["atol"], "mean")
     assert_close(var, ref_var, tol["rtol"], tol["atol"], "var")
+
+
+@pytest.mark.parametrize("shape, dtype, loc", [((3, 4, 5, 8), "float32", 0.5), ((2, 3, 16), "float16", 0.5),
+                                              ((5, 2, 4, 4), "float32", 1000.0), ((1, 3, 8), "float16", -2.0)])
+def test_bn_padded_shifted(shape, dtype, loc):
+    """``padded_shifted`` (the (N, C, L) view, L whole 16-byte granules) pads a
+    channel's granules to 1024: 30 of 1024 here, 4 of 1024, ... The pads must add
+    nothing, the largest values sitting in the last granule the pads re-read; and the
+    shift keeps it exact at |mean| >> std."""
+    x = random_floats(rng(), shape, dtype, loc=loc, scale=2.0 if loc != 1000.0 else 0.01)
+    x[-1, :, -1] = loc + 9.0  # in the last granule of each channel
+    problem = bn_stats_problem(shape, dtype, "NCHW")
+    mean, var = run_unscheduled(prim_func(problem, "padded_shifted"), [x])
+    ref_mean, ref_var = bn_ref.reference(x, "NCHW")
+    tol = TOLERANCES[dtype]
+    assert_close(mean, ref_mean, tol["rtol"], tol["atol"], "mean")
+    assert_close(var, ref_var, 1e-3 if loc == 1000.0 else tol["rtol"], tol["atol"], "var")
+
+
+def test_bn_padded_shifted_names_a_ragged_plane():
+    with pytest.raises(ValueError, match="padded_shifted needs the"):
+        prim_func(bn_stats_problem((2, 3, 7, 7), "float16", "NCHW"), "padded_shifted")
 
 
 def test_shifted_sums_survive_cancellation_where_one_pass_does_not():

@@ -312,3 +312,19 @@ def test_padded_warp_rows_load_each_granule_once_and_unguarded(shape, dtype, per
     if shape == (65536, 1000):
         plain = _row_kernel_ptx(cuda_report(build_kernel(problem, CUDA, "cross_entropy_warp_per_row")).ptx)
         assert len(re.findall(V4_LOAD, plain)) > per_lane  # its second pass loads the row again
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_padded_block_per_channel_loads_every_granule_unguarded():
+    """``bn_stats_block_per_channel_padded`` on 16x512x28x28 bf16 (default knobs, 256
+    threads): a lane's 8 steps unrolled, 16-byte loads none predicated and no branch
+    between them (7 in the PTX: the last step is all pads, every lane's granule the
+    channel's last one); ``bn_stats_block_per_channel`` keeps one load in a loop of
+    guarded steps."""
+    problem = tf.make_problem("bn_stats", (16, 512, 28, 28), "bfloat16")
+    ptx = cuda_report(build_kernel(problem, CUDA, "bn_stats_block_per_channel_padded")).ptx
+    assert len(re.findall(V4_LOAD, ptx)) >= 7
+    assert not re.findall(r"@%p\d+\s+" + V4_LOAD, ptx)
+    loads = [m.start() for m in re.finditer(V4_LOAD, ptx)]
+    assert not re.search(r"@%p\d+\s+bra", ptx[loads[0]:loads[-1]]), "a branch between the granule loads"
+    assert len(re.findall(V4_LOAD, cuda_report(build_kernel(problem, CUDA, "bn_stats_block_per_channel")).ptx)) == 1

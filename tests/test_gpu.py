@@ -35,6 +35,7 @@ BN_SHAPES = [
     ((8, 3, 224, 224), "NCHW"), ((8, 32, 1009), "NCHW"), ((32, 56, 56, 64), "NHWC"),
     ((64, 7, 7, 2048), "NHWC"), ((1, 3, 5, 5), "NCHW"), ((1000, 3), "NCHW"),
     ((100352, 64), "NHWC"), ((3136, 2048), "NHWC"), ((16, 14, 14, 32), "NHWC"),
+    ((16, 512, 28, 28), "NCHW"),  # latency-bound: 28x28 planes of whole granules (the padded block per channel)
 ]
 BIG_BN_SHAPES = [((128, 56, 56, 256), "NHWC"), ((32, 56, 56, 256), "NHWC")]  # bf16 only
 CE_SHAPES = [

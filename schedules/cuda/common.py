@@ -240,14 +240,14 @@ class ChannelBlockCandidate(Candidate):
         return ChannelBlockKnobs(threads=threads, vector=vector, unroll=8)
 
 
-def shifted_sums(sch: s_tir.Schedule, channel, threads, vector, unroll_step) -> None:
+def shifted_sums(sch: s_tir.Schedule, channel, threads, vector, unroll_step, staged: str = "x") -> None:
     """bn_stats's ``shifted`` sums of the channel the block is bound to: ``moments``
-    across the block (16-byte loads through registers, shuffles plus one shared hop),
-    its result in registers; the shift ``K[c]`` loaded once into shared memory by
-    thread 0."""
+    across the block (16-byte loads of ``staged`` through registers, shuffles plus one
+    shared hop), its result in registers; the shift ``K[c]`` loaded once into shared
+    memory by thread 0."""
     moments = sch.get_sblock("moments")
     sch.compute_at(moments, channel, preserve_unit_loops=True)
-    thread_reduce(sch, moments, 1, threads, vector, unroll_step, "x")
+    thread_reduce(sch, moments, 1, threads, vector, unroll_step, staged)
     outputs_to(sch, moments, "local")
     shift = sch.get_sblock("shift")
     sch.compute_at(shift, channel, preserve_unit_loops=True)

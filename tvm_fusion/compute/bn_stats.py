@@ -15,6 +15,14 @@ Two decompositions of the same contract, as TE compute:
     variance 4e-3 off (relative, 1M x 24); the mean of 8 values keeps K near the
     mean. For candidates whose partials are long (the CPU's).
 
+``padded_shifted``  ``shifted`` on the (N, C, L) view over the channel's 16-byte granules,
+    L a multiple of a granule's e elements (G = L / e a plane, F = N G a channel),
+    padded to a multiple of ``PAD_LANES``, Fp: ``granules[c, f, v]`` (a map a schedule
+    inlines) reads granule min(f, F - 1), plane n = f' / G at granule f' mod G, and
+    ``moments`` masks the pads by a select (d = 0). The padded domain splits evenly
+    over any power-of-two block, so a lane's loads carry no guard; ``shifted`` split
+    the same way guards every step (16x512x28x28 bf16 on 128 threads: 13 steps of
+    16-byte loads, each behind a branch, one load in flight a lane).
 Block names (``shift``, ``moments``, ``mean``, ``var``) are what schedules refer to.
 """
 
@@ -23,9 +31,12 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from ..contracts.bn_stats import BNStatsProblem
+from ..contracts.common import DTYPE_BYTES
 from .primitives import DUAL_SUM, dims, index_dtype, widen
 
-ALGORITHMS = ("shifted", "shifted_sampled", "one_pass")
+ALGORITHMS = ("shifted", "shifted_sampled", "one_pass", "padded_shifted")
+PAD_LANES = 1024  # padded_shifted pads a channel's granules to a multiple of a block's most threads
+VECTOR_BYTES = 16
 SHIFT_SAMPLES = 64
 
 
@@ -34,7 +45,47 @@ def bn_stats_te(problem: BNStatsProblem, algorithm: str = "shifted") -> list[te.
     if algorithm not in ALGORITHMS:
         raise ValueError(f"bn_stats: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
     x = te.placeholder(dims(problem.shape, index_dtype(problem.numel)), problem.dtype, name="x")
+    if algorithm == "padded_shifted":
+        return [x, *padded_statistics(problem, x)]
     return [x, *statistics(problem, x, algorithm)]
+
+
+def padded_granules(problem) -> tuple[int, int, int]:
+    """``padded_shifted``'s (e, F, Fp): a granule's elements, a channel's granules and
+    their count padded to a multiple of ``PAD_LANES``; a ValueError for a channels-last
+    view or a plane that is not whole granules."""
+    elements = VECTOR_BYTES // DTYPE_BYTES[problem.dtype]
+    if problem.channels_last or problem.shape[2] % elements:
+        raise ValueError(f"bn_stats: padded_shifted needs the (N, C, L) view with L a multiple of {elements} for "
+                         f"{problem.dtype}, got {problem.describe()}")
+    count = problem.shape[0] * (problem.shape[2] // elements)
+    return elements, count, -(-count // PAD_LANES) * PAD_LANES
+
+
+def padded_statistics(problem, x: te.Tensor) -> tuple[te.Tensor, te.Tensor]:
+    """``padded_shifted``'s ``(mean, var)`` per channel (see the module's docstring)."""
+    idx = index_dtype(problem.numel)
+    elements, count, padded = padded_granules(problem)
+    E, G = tirx.IntImm(idx, elements), tirx.IntImm(idx, problem.shape[2] // elements)
+    last, zero = tirx.IntImm(idx, count - 1), tirx.IntImm(idx, 0)
+
+    def element(c, f, v):  # granule f of the channel, clamped into it: a whole aligned granule
+        f = tirx.min(f, last)
+        return x[tirx.floordiv(f, G), c, tirx.floormod(f, G) * E + v]
+
+    granules = te.compute([tirx.IntImm(idx, problem.channels), tirx.IntImm(idx, padded), E], element, name="granules")
+    channels = dims([problem.channels], idx)
+    shift = te.compute(channels, lambda c: widen(x[zero, c, zero], problem.dtype), name="shift")
+    f = te.reduce_axis((zero, tirx.IntImm(idx, padded)), name="f")
+    v = te.reduce_axis((zero, E), name="v")
+
+    def moments_body(c):
+        d = tirx.Select(f < tirx.IntImm(idx, count), widen(granules[c, f, v], problem.dtype) - shift[c],
+                        tirx.const(0.0, "float32"))
+        return DUAL_SUM((d, d * d), axis=[f, v])
+
+    total, total_sq = te.compute(channels, moments_body, name="moments")
+    return finalize(problem, shift, total, total_sq)
 
 
 def statistics(problem, x: te.Tensor, algorithm: str) -> tuple[te.Tensor, te.Tensor]:
@@ -96,6 +147,14 @@ def statistics(problem, x: te.Tensor, algorithm: str) -> tuple[te.Tensor, te.Ten
             return DUAL_SUM((v, v * v), axis=axes)
 
     total, total_sq = te.compute(channels, moments_body, name="moments")
+    return finalize(problem, shift, total, total_sq)
+
+
+def finalize(problem, shift: te.Tensor | None, total: te.Tensor, total_sq: te.Tensor) -> tuple[te.Tensor, te.Tensor]:
+    """``(mean, var)`` from a channel's sums of ``d = x - shift`` (of x where ``shift``
+    is None) and of ``d^2``."""
+    channels = [total.shape[0]]
+    count = float(problem.count)
 
     def mean_body(c):
         mean_d = total[c] / count
