@@ -155,10 +155,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
     bar = tqdm(total=args.trials * len(cases), unit="trial", desc="tuning")
 
     done_before = 0  # trials of the shapes tuned earlier in this command
-    searched = [0]  # trials the search of the current batch has run
 
     def progress(done: int, best: float) -> None:
-        searched[0] = done
         bar.n = min(done_before + done, bar.total)
         bar.set_postfix_str(f"best {best * 1e3:.4f} ms" if best < float("inf") else "no result yet")
         bar.refresh()
@@ -170,12 +168,12 @@ def cmd_tune(args: argparse.Namespace) -> int:
             raise UsageError("--compare times kernels on the GPU: it needs --target cuda and a GPU")
     batches = [[case] for case in cases] if args.each else [cases]
     for batch in batches:
-        searched[0], start = 0, time.perf_counter()
+        start = time.perf_counter()
         result = tune_many(batch, target, args.trials, args.log_dir, progress)
         print(f"\ntuned {len(batch)} shape(s) in {result.seconds:.1f} s ({time.perf_counter() - start:.1f} s with "
               f"the set-up); log: {result.log_dir}")
-        if searched[0] < result.trials:
-            print(f"  the search ran {searched[0]} of {result.trials} trials: it found no untried configuration "
+        if result.searched < result.trials:
+            print(f"  the search ran {result.searched} of {result.trials} trials: it found no untried configuration "
                   "(the default and the cost model's seeds are measured before it)")
         for key, (candidate, best) in result.best.items():
             print(f"  {key}: {candidate} {best * 1e3:.4f} ms")

@@ -45,10 +45,9 @@ from tvm.s_tir import meta_schedule as ms
 from tvm.ir.utils import derived_object
 from tvm.target import Target
 
-from . import records, registry, targets
+from . import cost_model, records, registry, targets
 from .compute import prim_func
 from .contracts import Problem
-from .cost_model import thinned
 from .timing import copies_for, time_gpu
 
 RUN_TIMEOUT_S = 60
@@ -76,8 +75,8 @@ def no_tensor_intrinsics():
     ``ms.TuneContext`` makes that import for its side effect, registering tensor-core
     intrinsics that these kernels' spaces never use (their schedule rules are their
     own). It is the same 248 TVMScript parses as in :func:`build_module`. In a
-    one-shape tune on the H200 host it was 40 of the command's 70-90 s, and the
-    tuning itself 21 s; here it was 91 of 106 s. A process that has imported the real
+    one-shape BN tune on the H200 host at least 28 of the command's 90 s came before
+    the tuning loop (21 s); on the 2-core CI machine the import was 91 of 106 s. A process that has imported the real
     module keeps it, and the placeholder is taken out on leaving, so a later real
     import works as usual."""
     if TENSOR_INTRINSICS in sys.modules:
@@ -317,8 +316,6 @@ def measure_seeds(problem: Problem, target: Target, builder: Any, runner: Any, d
     find, else the shipped one (seeding only adds measured records, and a tune keeps the
     fastest, so the shipped model's held-out misses cost a few trials, not a worse pick).
     Returns the configurations logged; none without a model for the operator."""
-    from . import cost_model
-
     found, shipped = cost_model.find(target), cost_model.shipped_model(target)
     model = found[1] if found is not None else cost_model.load_cached(shipped) if shipped.exists() else None
     if model is None:
@@ -385,8 +382,9 @@ def _no_interactive_table() -> None:
 class TuneResult:
     log_dir: str
     seconds: float
-    trials: int
+    trials: int  # asked for
     best: dict[str, tuple[str, float]]  # problem key -> (candidate, seconds)
+    searched: int = 0  # trials the search ran: fewer than asked when no untried configuration was left
 
 
 def tune(
@@ -417,8 +415,8 @@ def tune(
         ms.measure_callback.RemoveBuildArtifact(),
         ms.measure_callback.UpdateCostModel(),
     ]
-    if progress is not None:
-        callbacks.append(Progress(total, progress))
+    counter = Progress(total, progress or (lambda done, best: None))
+    callbacks.append(counter)
     _no_interactive_table()
     start = time.perf_counter()
     with tvm.transform.PassContext(opt_level=3), target:
@@ -447,7 +445,7 @@ def tune(
         found = best_record(problem, target, log_dir)
         if found is not None:
             best[problem.key()] = (found.candidate, found.seconds)
-    return TuneResult(str(path), seconds, total, best)
+    return TuneResult(str(path), seconds, total, best, counter.done)
 
 
 # -- grids: every configuration timed, the cost model's training data ---------------------
@@ -461,14 +459,12 @@ def grid_configs(problems: Sequence[Problem], target: Target,
     ``cost_model.MAX_CONFIGS``, what the model ranks), a larger space thinned evenly,
     its default kept."""
     return [(problem, cand, knobs) for problem in problems for cand in registry.applicable(problem, target)
-            for knobs in thinned(cand, problem, target, max_configs)]
+            for knobs in cost_model.thinned(cand, problem, target, max_configs)]
 
 
 def untimed(configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]], log_dir: str | os.PathLike,
             target: Target) -> list[tuple[Problem, registry.Candidate, registry.Knobs]]:
     """``configs`` less those that ``<log_dir>/<target>/`` already holds a timed record of."""
-    from . import cost_model
-
     folder = records.folder(log_dir, target)
     if not (folder / records.RECORDS).exists():
         return list(configs)

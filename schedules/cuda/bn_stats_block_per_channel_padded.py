@@ -35,12 +35,12 @@ from dataclasses import dataclass
 from tvm.target import Target
 
 from tvm_fusion.compute.bn_stats import padded_granules
+from tvm_fusion.compute.primitives import granule
 from tvm_fusion.contracts import BNStatsProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import single_thread
-from .common import shifted_sums
+from .common import MAX_THREADS, shifted_sums
 
 MAX_STEPS = 64  # padded granules a lane at the most (more: bn_stats_split_plane's planes)
 
@@ -63,8 +63,8 @@ class BNStatsBlockPerChannelPadded(Candidate):
     def applies(self, problem: BNStatsProblem) -> bool:
         if problem.op != self.op or problem.channels_last:
             return False
-        elements = 16 // DTYPE_BYTES[problem.dtype]
-        return problem.shape[2] % elements == 0 and padded_granules(problem)[2] <= 1024 * MAX_STEPS
+        return (problem.shape[2] % granule(problem.dtype) == 0
+                and padded_granules(problem)[2] <= MAX_THREADS * MAX_STEPS)
 
     def prefers(self, problem: BNStatsProblem, target: Target) -> bool:
         return False  # not yet timed on a GPU: see the module docstring

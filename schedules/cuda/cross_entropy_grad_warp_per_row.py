@@ -61,8 +61,7 @@ class CrossEntropyGradWarpPerRow(Candidate):
 
 def grad_warp_rows(sch, problem: CrossEntropyGradProblem, rows, vector, unroll, staged: str = "logits") -> None:
     """The three kernels above: ``rows`` warps a block, each row's statistics over
-    ``staged`` (the logits, or a map of them that is then inlined into the register
-    stages) and its ``dlogits`` map, ``vector`` values a load."""
+    ``staged`` (the buffer they read) and its ``dlogits`` map, ``vector`` values a load."""
     # Kernel 1: the targets pass.
     schedule_grad_prologue(sch, problem)
     # 1. One row loop over (blockIdx.x, threadIdx.y).
@@ -78,8 +77,6 @@ def grad_warp_rows(sch, problem: CrossEntropyGradProblem, rows, vector, unroll, 
         block = sch.get_sblock(name)
         thread_reduce(sch, block, 2, WARP, vector, unroll, staged)
         outputs_to(sch, block, "local")
-    if staged != "logits":
-        sch.compute_inline(sch.get_sblock(staged))
     # 4. The gradient over the row.
     grad_map(sch, 2, WARP, vector, unroll)
     # 3. lse and the row loss on lane 0.

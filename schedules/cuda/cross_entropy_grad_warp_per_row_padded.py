@@ -49,5 +49,7 @@ class CrossEntropyGradWarpPerRowPadded(Candidate):
     default_for = CrossEntropyWarpPerRowPadded.default_for
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
-        # The statistics over the padded granules (their map inlined), a granule a load.
+        # The statistics over the padded granules, a granule a load.
         grad_warp_rows(sch, problem, knobs.rows, granule(problem.dtype), knobs.unroll, "granules")
+        # The padded row's map into each register stage: a clamped 16-byte load.
+        sch.compute_inline(sch.get_sblock("granules"))

@@ -31,12 +31,10 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from ..contracts.bn_stats import BNStatsProblem
-from ..contracts.common import DTYPE_BYTES
-from .primitives import DUAL_SUM, dims, index_dtype, widen
+from .primitives import DUAL_SUM, dims, granule, index_dtype, widen
 
 ALGORITHMS = ("shifted", "shifted_sampled", "one_pass", "padded_shifted")
 PAD_LANES = 1024  # padded_shifted pads a channel's granules to a multiple of a block's most threads
-VECTOR_BYTES = 16
 SHIFT_SAMPLES = 64
 
 
@@ -54,7 +52,7 @@ def padded_granules(problem) -> tuple[int, int, int]:
     """``padded_shifted``'s (e, F, Fp): a granule's elements, a channel's granules and
     their count padded to a multiple of ``PAD_LANES``; a ValueError for a channels-last
     view or a plane that is not whole granules."""
-    elements = VECTOR_BYTES // DTYPE_BYTES[problem.dtype]
+    elements = granule(problem.dtype)
     if problem.channels_last or problem.shape[2] % elements:
         raise ValueError(f"bn_stats: padded_shifted needs the (N, C, L) view with L a multiple of {elements} for "
                          f"{problem.dtype}, got {problem.describe()}")

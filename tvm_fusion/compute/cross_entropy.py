@@ -78,6 +78,7 @@ from .primitives import (
     ONLINE_LSE,
     TRIPLE_SUM,
     dims,
+    granule,
     index_dtype,
     logsumexp,
     poly_exp,
@@ -86,12 +87,6 @@ from .primitives import (
 
 ALGORITHMS = ("three_pass", "online", "three_pass_poly_exp", "aligned_online", "padded_three_pass")
 PAD_LANES = 32  # padded_three_pass pads a row's granules to a multiple of a warp's lanes
-VECTOR_BYTES = 16  # one aligned load of ``aligned_online``'s granules
-
-
-def granule(dtype: str) -> int:
-    """Elements in one 16-byte granule (``aligned_online``'s c)."""
-    return VECTOR_BYTES // DTYPE_BYTES[dtype]
 
 
 def placeholders(problem, idx: str) -> tuple[te.Tensor, te.Tensor, te.Tensor | None]:

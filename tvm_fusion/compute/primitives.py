@@ -20,6 +20,8 @@ from collections.abc import Callable, Sequence
 import tvm_ffi
 from tvm import te, tirx
 
+from ..contracts.common import DTYPE_BYTES
+
 INT32_LIMIT = 2**31 - 1
 F32_LOWEST = -3.4028234663852886e38
 
@@ -171,3 +173,11 @@ def poly_exp(x: tirx.PrimExpr) -> tirx.PrimExpr:
 
 def logsumexp(row_max: tirx.PrimExpr, row_sumexp: tirx.PrimExpr) -> tirx.PrimExpr:
     return te.log(row_sumexp) + row_max
+
+
+VECTOR_BYTES = 16  # one aligned 16-byte load (LDG.E.128): the granule of the padded and aligned decompositions
+
+
+def granule(dtype: str) -> int:
+    """Elements of ``dtype`` in one 16-byte granule (8 for 16-bit, 4 for float32)."""
+    return VECTOR_BYTES // DTYPE_BYTES[dtype]
