@@ -50,24 +50,24 @@ from .cuda import (  # noqa: F401
 DISPATCH_ORDER = {
     ("bn_stats", "cuda"): [
         "bn_stats_channels_last",
+        "bn_stats_block_per_channel_padded",
         "bn_stats_split_plane",
         "bn_stats_warp_per_channel",
-        "bn_stats_block_per_channel_padded",
         "bn_stats_block_per_channel",
     ],
     ("cross_entropy", "cuda"): [
         "cross_entropy_aligned_rows",
-        "cross_entropy_warp_per_row",
         "cross_entropy_warp_per_row_padded",
+        "cross_entropy_warp_per_row",
         "cross_entropy_row_in_shared",
         "cross_entropy_online",
         "cross_entropy_block_per_row",
     ],
     # Each candidate computes one mode (problem.mode): fused or from_lse.
     ("cross_entropy_grad", "cuda"): [
+        "cross_entropy_grad_warp_per_row_padded",
         "cross_entropy_grad_row_in_shared",
         "cross_entropy_grad_warp_per_row",
-        "cross_entropy_grad_warp_per_row_padded",
         "cross_entropy_grad_online",
         "cross_entropy_grad_block_per_row",
         "cross_entropy_grad_from_lse_warp_per_row",

@@ -24,8 +24,22 @@ integer division by G a load (a multiply-high: G is a constant).
    cross-thread step is ``__shfl_down_sync`` plus a shared-memory hop.
 3. Thread 0 writes mean and var.
 
-Not preferred by dispatch until an H200 run has timed it against
-``bn_stats_block_per_channel``; tunable, and the tuner and grids time it.
+Dispatch prefers it wherever it applies and ``bn_stats_block_per_channel`` would be
+picked, and also over ``bn_stats_split_plane`` where the channels fill the SMs
+(``SM_FILL``) and a lane has at most ``PREFERRED_STEPS`` granules at 1024 threads. The
+H200 A/B grid at fc88131 (results/benchmarks.csv, "padded A/B grid", 6 configurations
+a candidate, kernels under graph replay), best configuration of each candidate and
+dispatch's pick before:
+
+| shape | padded | block per channel | split plane | pick before |
+|---|---|---|---|---|
+| 16x512x28x28 bf16 | 0.00545 ms | 0.00616 | 0.01045 | 0.00917 (block, 128 threads) |
+| 64x128x28x28 fp16 | 0.00555 | 0.00713 | 0.00764 | 0.00764 (split) |
+| 24x192x20x20 fp32 | 0.00397 | 0.00431 | 0.00675 | 0.01141 (block, 128 threads) |
+| 32x64x112x112 fp16 | 0.01979 | 0.01978 | 0.01657 | 0.01657 (split) |
+
+The 0.004-0.005 ms predicted for 16x512x28x28 bf16 was near: 0.00545, 55% of copy.
+On 32x64x112x112 half the SMs have no channel, and the split wins.
 """
 
 from __future__ import annotations
@@ -38,11 +52,17 @@ from tvm_fusion.compute.bn_stats import padded_granules
 from tvm_fusion.compute.primitives import granule
 from tvm_fusion.contracts import BNStatsProblem
 from tvm_fusion.registry import Candidate, Knobs, register
+from tvm_fusion.targets import sm_count
 
 from ..common import single_thread
-from .common import MAX_THREADS, shifted_sums
+
+from .common import MAX_THREADS, prefers_split_plane, shifted_sums
 
 MAX_STEPS = 64  # padded granules a lane at the most (more: bn_stats_split_plane's planes)
+# Over bn_stats_split_plane: channels for at least this share of the SMs (128 of the
+# H200's 132 won, 64 lost), and at most PREFERRED_STEPS granules a lane at 1024 threads.
+SM_FILL = 0.9
+PREFERRED_STEPS = 8
 
 
 @dataclass(frozen=True)
@@ -67,7 +87,12 @@ class BNStatsBlockPerChannelPadded(Candidate):
                 and padded_granules(problem)[2] <= MAX_THREADS * MAX_STEPS)
 
     def prefers(self, problem: BNStatsProblem, target: Target) -> bool:
-        return False  # not yet timed on a GPU: see the module docstring
+        if not self.applies(problem):
+            return False
+        if not prefers_split_plane(problem, target):
+            return True  # block_per_channel's shapes: the same kernel without its guards
+        return (problem.channels >= SM_FILL * sm_count(target)
+                and padded_granules(problem)[2] <= MAX_THREADS * PREFERRED_STEPS)
 
     def choices(self, problem: BNStatsProblem, target: Target) -> dict[str, list[int]]:
         return {"threads": [128, 256, 512, 1024], "unroll": [1, 16, 64, 256]}

@@ -12,9 +12,13 @@ the map reuses three of them from registers and reloads only the last, partial
 granule, and stores with STG.E.128: the row is read from memory once and dlogits
 written once, the bytes floor's traffic (40 registers, no spills).
 
-Not preferred by dispatch until an H200 run has timed it against
-``cross_entropy_grad_row_in_shared`` (dispatch's pick for 65536x1000: the row read
-once into shared memory, a training step's kernel 1.41x its bytes floor).
+Dispatch prefers it where the forward's padded candidate is preferred (rows of at most
+8 granules a lane). The H200 A/B grid at fc88131 (results/benchmarks.csv, "padded A/B
+grid"), 65536x1000: fp16 0.0830 ms against 0.0859 for the best other configuration
+(block per row; ``row_in_shared``, dispatch's pick before, 0.0871 at its default in an
+earlier run), bf16 0.0820 against 0.0919. That is 74% of copy, 1.35x the read + write
+floor of 0.0614 ms: the 0.065-0.072 predicted from the single read and write was
+missed, as the forward's was.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ class CrossEntropyGradWarpPerRowPadded(Candidate):
                 and CrossEntropyWarpPerRowPadded.applies(self, problem))
 
     def prefers(self, problem: CrossEntropyGradProblem, target) -> bool:
-        return False  # not yet timed on a GPU: see the module docstring
+        return self.applies(problem) and CrossEntropyWarpPerRowPadded.prefers(self, problem, target)
 
     choices = CrossEntropyWarpPerRowPadded.choices
     default_for = CrossEntropyWarpPerRowPadded.default_for

@@ -24,8 +24,15 @@ and smoothing, or for reduction="none", the second pass loads the row again (fro
    cross-lane step is five ``__shfl_down_sync``. ``unroll`` 256 unrolls a whole pass.
 3. Lane 0 of each warp writes the row loss; the batch kernel follows.
 
-Not preferred by dispatch until an H200 run has timed it against
-``cross_entropy_warp_per_row``; tunable, and the tuner and grids time it.
+Dispatch prefers it on rows of at most ``PREFERRED_STEPS`` granules a lane. The H200
+A/B grid at fc88131 (results/benchmarks.csv, "padded A/B grid", 6 configurations a
+candidate, kernels under graph replay) against the best configuration of every other
+candidate: 65536x1000 fp16 0.0420 ms against 0.0503 (warp per row, also dispatch's
+pick before), bf16 0.0434 against 0.0521, fp32 0.0699 against 0.0725 (block per row;
+dispatch's pick 0.0784), 512x1000 fp32 0.00485 against 0.00501, 12000x1024 fp16
+0.01197 against 0.01206. On 24576x4096 bf16 (16 granules a lane) ``online`` won,
+0.0576 against 0.0597, so longer rows keep the other candidates. The 0.035-0.040 ms
+predicted for 65536x1000 fp16 from the single read was missed: 0.0420 is 74% of copy.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ from .common import WARP, schedule_ce_batch_stage
 from .cross_entropy_warp_per_row import warp_rows
 
 MAX_STEPS = 16  # granules per lane, as cross_entropy_warp_per_row's MAX_VECTORS_PER_LANE
+PREFERRED_STEPS = 8  # granules per lane on the rows dispatch gives it (the A/B above: 4 and 8 won, 16 lost)
 
 
 @dataclass(frozen=True)
@@ -66,13 +74,15 @@ class CrossEntropyWarpPerRowPadded(Candidate):
         return padded_granules(problem)[1] <= WARP * MAX_STEPS
 
     def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
-        return False  # not yet timed on a GPU: see the module docstring
+        return self.applies(problem) and padded_granules(problem)[1] <= WARP * PREFERRED_STEPS
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
         return {"rows": [1, 2, 4, 8, 16], "unroll": [1, 16, 64, 256]}
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> PaddedWarpPerRowKnobs:
-        return PaddedWarpPerRowKnobs(rows=8, unroll=256)
+        # 4 rows, a whole pass unrolled: the best or within 1% of it on the six A/B shapes
+        # (65536x1000 fp16 0.0420 ms; 8 rows 0.0423, 1 row unrolled 1 0.0522).
+        return PaddedWarpPerRowKnobs(rows=4, unroll=256)
 
     def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:
         # 1-2. cross_entropy_warp_per_row's rows and passes, a granule (16 bytes) a load.
