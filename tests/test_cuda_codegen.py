@@ -3,7 +3,8 @@
 Checked by structure, not golden IR: warp shuffles in the source and the PTX,
 16-byte loads where the candidate's vector knob says so, atomics only in a
 candidate that says it uses them, no global scratch buffer beyond the function's
-own parameters, and 64-bit offsets once a tensor passes 2^31 elements."""
+own parameters but a two-level batch stage's chunk partials (``*_rf``), and 64-bit
+offsets once a tensor passes 2^31 elements."""
 
 import dataclasses
 import re
@@ -55,7 +56,8 @@ def test_cuda_source_shows_the_strategy(problem, candidate):
     assert ("atomic" in source.lower()) == cand.claims.get("atomics", False)
     if not cand.name.endswith(("split_plane", "channels_last")):  # these say they keep partials
         func_params = {name for name, _, _ in kernel.params}
-        assert kernel_params(source) <= func_params, "a kernel takes a global buffer the function does not own"
+        scratch = {name for name in kernel_params(source) - func_params if not name.endswith("_rf")}
+        assert not scratch, "a kernel takes a global buffer the function does not own"
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
@@ -328,3 +330,40 @@ def test_padded_block_per_channel_loads_every_granule_unguarded():
     loads = [m.start() for m in re.finditer(V4_LOAD, ptx)]
     assert not re.search(r"@%p\d+\s+bra", ptx[loads[0]:loads[-1]]), "a branch between the granule loads"
     assert len(re.findall(V4_LOAD, cuda_report(build_kernel(problem, CUDA, "bn_stats_block_per_channel")).ptx)) == 1
+
+
+def kernel_bodies(source: str) -> list[str]:
+    """The source of each ``__global__`` function's definition."""
+    starts = [m.start() for m in re.finditer(r'extern "C" __global__ void [^;{]*\{', source)]
+    return [source[a:b] for a, b in zip(starts, starts[1:] + [len(source)])]
+
+
+@pytest.mark.parametrize("op, shape, options, candidate, chunks", [
+    ("cross_entropy", (65536, 1000), {}, "cross_entropy_warp_per_row_padded", 64),
+    ("cross_entropy", (50000, 1000), {"reduction": "none"}, "cross_entropy_warp_per_row_padded", 50),
+    ("cross_entropy", (50000, 4096), {"reduction": "sum", "weight": True}, "cross_entropy_online", 50),
+    ("cross_entropy_grad", (50000, 1000), {}, "cross_entropy_grad_warp_per_row_padded", 50),
+    ("cross_entropy", (65537, 1000), {}, "cross_entropy_warp_per_row_padded", 1),
+    ("cross_entropy", (16383, 1000), {}, "cross_entropy_warp_per_row_padded", 1),
+])
+def test_two_level_batch_stage_reduces_across_lanes(op, shape, options, candidate, chunks):
+    """From 16384 rows a batch stage is cut into chunks that divide the rows (an uneven
+    cut made TVM drop the cross-thread lowering: every lane read-modify-wrote the
+    partial), one block each: each kernel that writes chunk partials reduces across its
+    lanes with shuffles first, and the final block reads exactly ``chunks`` of them.
+    A prime row count, or fewer than 16384 rows, keeps one block."""
+    from tvm_fusion.schedules.cuda.common import batch_chunks
+
+    assert batch_chunks(shape[0]) == chunks
+    problem = tf.make_problem(op, shape, "bfloat16", **options)
+    source = build_kernel(problem, CUDA, candidate).device_source()
+    writers = [body for body in kernel_bodies(source) if re.search(r"\w+_rf_ptr\[[^\]]*\] = ", body)]
+    if chunks == 1:
+        assert not writers and "_rf_ptr" not in source
+        return
+    assert writers, "no kernel writes chunk partials"
+    for body in writers:
+        assert "__shfl_down_sync" in body, "a chunk's partial is written without a cross-lane reduction"
+        assert f"blockIdx.x) * {shape[0] // chunks})" in body  # a block per chunk of rows
+    readers = [body for body in kernel_bodies(source) if "_rf_ptr" in body and body not in writers]
+    assert readers and all(f"threadIdx.x) < {chunks})" in body or chunks % 32 == 0 for body in readers)

@@ -83,15 +83,55 @@ def schedule_ce_batch_stage(sch: s_tir.Schedule, reduction: str, threads: int = 
         one_block_reduce(sch, "batch", threads, epilogues=("first_bad_row", "loss"))
 
 
+# One block reads a batch stage's rows at one SM's bandwidth: on the H200, 65536 rows
+# of a float32 loss and an int64 target (786 KB) are several microseconds, a sixth of
+# the 0.042 ms cross entropy of 65536x1000 fp16 (padded A/B grid at fc88131). From
+# this many rows on, the stage is two kernels: CHUNK_ROWS rows a block into partials
+# (an rfactor, one block per chunk), then one block over the partials. Fewer rows keep
+# one kernel: a launch (about 1 us under graph replay) costs more than it saves.
+TWO_LEVEL_ROWS = 16384
+CHUNK_ROWS = 1024
+CHUNK_THREADS = 256
+MIN_CHUNKS = 8
+
+
+def batch_chunks(rows: int) -> int:
+    """The chunks of a two-level batch stage over ``rows``: the divisor of ``rows``
+    nearest ``rows / CHUNK_ROWS``, at most MAX_THREADS (the second kernel is one
+    block), or 1 (one kernel) below TWO_LEVEL_ROWS or where no divisor gives
+    MIN_CHUNKS chunks. A divisor, because an uneven cut puts the chunk index and the
+    reduced index in one predicate, and TVM 0.27 then silently skips the cross-thread
+    lowering: each lane read-modify-writes the partial, a race (seen in the generated
+    CUDA of 50000 rows cut into 49 chunks)."""
+    if rows < TWO_LEVEL_ROWS:
+        return 1
+    wanted = rows / CHUNK_ROWS
+    divisors = [d for d in range(MIN_CHUNKS, MAX_THREADS + 1) if rows % d == 0]
+    return min(divisors, key=lambda d: (abs(d - wanted), d)) if divisors else 1
+
+
 def one_block_reduce(
     sch: s_tir.Schedule, name: str, threads: int = MAX_THREADS, epilogues: tuple[str, ...] = ()
 ) -> None:
     """A reduction to one value in one block: each thread strides over the reduced
     axis, then the cross-thread step (shuffles within warps, shared memory across).
     With ``epilogues`` the result stays in shared memory and thread 0 runs each
-    epilogue (the copies into the function's outputs)."""
+    epilogue (the copies into the function's outputs). Where :func:`batch_chunks`
+    cuts the rows, a first kernel of one block a chunk writes partials (an rfactor),
+    and the block reduces those."""
     block = sch.get_sblock(name)
     unit, reduced = sch.get_loops(block)
+    chunks = batch_chunks(int(sch.get(reduced).extent))
+    if chunks > 1:
+        chunk, _ = sch.split(reduced, [chunks, None])
+        partial = sch.rfactor(chunk, 0)
+        partial_unit, chunk, within = sch.get_loops(partial)
+        sch.bind(sch.fuse(partial_unit, chunk), "blockIdx.x")
+        serial, lane = sch.split(within, [None, CHUNK_THREADS])
+        sch.reorder(lane, serial)
+        sch.bind(lane, "threadIdx.x")
+        unit, reduced = sch.get_loops(block)
+        threads = min(threads, -(-chunks // WARP) * WARP)
     sch.bind(unit, "blockIdx.x")
     serial, lane = sch.split(reduced, [None, threads])
     sch.reorder(lane, serial)
