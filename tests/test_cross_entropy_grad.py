@@ -535,7 +535,8 @@ def test_int64_offsets_past_two_to_the_31(mode):
 GPU_SHAPES = [((4096, 32000), {}), ((128, 32000), {"reduction": "none"}), ((65536, 1000), {"reduction": "sum"}),
               ((257, 1000), {"weight": True, "label_smoothing": 0.1, "target_dtype": "int32"}),
               ((64, 50257), {"reduction": "sum", "label_smoothing": 0.2}), ((3, 724), {"weight": True}),
-              ((1, 151936), {}), ((64, 1000), {"all_ignored": True})]
+              ((1, 151936), {}), ((64, 1000), {"all_ignored": True}),
+              ((50000, 1000), {"weight": True, "label_smoothing": 0.1})]  # two-level stages: 50 chunks
 BIG = ((32768, 151936), {})  # bf16 only: 5e9 elements, the int64 path
 
 

@@ -45,6 +45,8 @@ CE_SHAPES = [
     ((64, 32000), {"reduction": "sum", "label_smoothing": 0.2}),
     # padded rows: 16 granules a lane for 16-bit V = 4096; one real granule and 31 pads for V = 8
     ((33, 4096), {"reduction": "none"}), ((1000, 8), {"weight": True, "label_smoothing": 0.1}),
+    # two-level batch stages: 50 chunks of 1000 rows (weights and smoothing), 20 of 1000 ("none")
+    ((50000, 1000), {"weight": True, "label_smoothing": 0.1}), ((20000, 512), {"reduction": "none"}),
 ]
 DTYPES = ["float16", "bfloat16", "float32"]
 
@@ -273,6 +275,24 @@ def test_bad_target_on_cuda_raises_at_the_next_call_and_the_context_lives():
         tf.cross_entropy(logits, target)
     loss = tf.cross_entropy(logits, target)  # the context is alive and the next call right
     torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(logits, target), rtol=1e-5, atol=1e-5)
+    tf.check_targets()
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_first_bad_row_across_the_chunks_of_a_two_level_batch_stage(reduction):
+    """50000 rows: 50 chunk partials. Bad targets in chunks 12 and 40: the error names
+    the first, whichever chunk's block finishes first."""
+    logits, target, bad = bad_target_batch(classes=1000, batch=50000, bad_row=40001)
+    bad[12345] = -3
+    tf.check_targets()  # nothing pending from earlier tests
+    tf.cross_entropy(logits, bad, reduction=reduction)  # the flag is read by the next call
+    torch.cuda.synchronize()
+    with pytest.raises(tf.TargetOutOfRangeError, match=r"target\[12345\] = -3 is outside \[0, 1000\)"):
+        tf.cross_entropy(logits, target, reduction=reduction)
+    torch.testing.assert_close(tf.cross_entropy(logits, target, reduction=reduction),
+                               torch.nn.functional.cross_entropy(logits, target, reduction=reduction),
+                               rtol=1e-5, atol=1e-5)
     tf.check_targets()
 
 
