@@ -727,7 +727,7 @@ def append_csv(results: list[Result], path: str, hardware: str, copy_gb_s: float
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     version = version_string()
     with open(path, "a", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS)
+        writer = csv.DictWriter(handle, fieldnames=CSV_FIELDS, lineterminator="\n")  # the file is LF throughout
         if new:
             writer.writeheader()
         if with_copy_row:
