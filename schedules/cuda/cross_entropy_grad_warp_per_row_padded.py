@@ -10,7 +10,7 @@ the row's end (its stores must stay inside the row). Read in the SASS (nvcc 13,
 sm_90, 65536x1000 fp16): the statistics' four LDG.E.128 of a lane issue back to back,
 the map reuses three of them from registers and reloads only the last, partial
 granule, and stores with STG.E.128: the row is read from memory once and dlogits
-written once, the bytes floor's traffic (40 registers, no spills).
+written once, the bytes floor's traffic (48 registers with TVM's --use_fast_math, no spills).
 
 Dispatch prefers it where the forward's padded candidate is preferred (rows of at most
 8 granules a lane). The H200 A/B grid at fc88131 (results/benchmarks.csv, "padded A/B

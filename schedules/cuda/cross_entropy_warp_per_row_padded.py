@@ -15,7 +15,7 @@ is 128 granules (the last real one read again for the 3 pads and masked by a
 select), so no statement has a guard and the loads of a pass can issue together.
 Read in the PTX and SASS (nvcc 13, sm_90): the four LDG.E.128 of a lane issue back to
 back, and for the plain mean or sum nvcc also keeps them in registers for the second
-pass, so the row is read from memory once (47 registers, no spills). With a weight
+pass, so the row is read from memory once (40 registers with TVM's --use_fast_math, no spills). With a weight
 and smoothing, or for reduction="none", the second pass loads the row again (from L1).
 
 1. Rows are split ``[blockIdx.x, threadIdx.y]``: ``rows`` warps per block, one row each.
