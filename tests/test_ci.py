@@ -1,0 +1,24 @@
+"""``.ci/gpu-suite``'s three parts select every gpu-marked test exactly once."""
+
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def collected(*args: str) -> set[str]:
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    return {line for line in out.stdout.splitlines() if re.match(r"tests/\S+\.py::", line)}
+
+
+def test_gpu_suite_parts_cover_every_gpu_test_once():
+    every = collected(sys.executable, "-m", "pytest", "-m", "gpu", "-n", "0", "--co", "-q", "-p", "no:randomly")
+    parts = [collected("bash", ".ci/gpu-suite", part, "--co", "-p", "no:randomly") for part in ("serial", "A", "B")]
+    assert every and all(parts)
+    assert sum(len(p) for p in parts) == len(every)
+    assert set().union(*parts) == every
