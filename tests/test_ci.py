@@ -1,6 +1,5 @@
 """``.ci/gpu-suite``'s three parts select every gpu-marked test exactly once."""
 
-import os
 import pathlib
 import re
 import subprocess
@@ -10,8 +9,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def collected(*args: str) -> set[str]:
-    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    out = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     return {line for line in out.stdout.splitlines() if re.match(r"tests/\S+\.py::", line)}
 

@@ -332,12 +332,6 @@ def test_padded_block_per_channel_loads_every_granule_unguarded():
     assert len(re.findall(V4_LOAD, cuda_report(build_kernel(problem, CUDA, "bn_stats_block_per_channel")).ptx)) == 1
 
 
-def kernel_bodies(source: str) -> list[str]:
-    """The source of each ``__global__`` function's definition."""
-    starts = [m.start() for m in re.finditer(r'extern "C" __global__ void [^;{]*\{', source)]
-    return [source[a:b] for a, b in zip(starts, starts[1:] + [len(source)])]
-
-
 @pytest.mark.parametrize("op, shape, options, candidate, chunks", [
     ("cross_entropy", (65536, 1000), {}, "cross_entropy_warp_per_row_padded", 64),
     ("cross_entropy", (50000, 1000), {"reduction": "none"}, "cross_entropy_warp_per_row_padded", 50),
@@ -352,12 +346,14 @@ def test_two_level_batch_stage_reduces_across_lanes(op, shape, options, candidat
     partial), one block each: each kernel that writes chunk partials reduces across its
     lanes with shuffles first, and the final block reads exactly ``chunks`` of them.
     A prime row count, or fewer than 16384 rows, keeps one block."""
+    from test_bn_channels_last_cuda import kernel_bodies
     from tvm_fusion.schedules.cuda.common import batch_chunks
 
     assert batch_chunks(shape[0]) == chunks
     problem = tf.make_problem(op, shape, "bfloat16", **options)
     source = build_kernel(problem, CUDA, candidate).device_source()
-    writers = [body for body in kernel_bodies(source) if re.search(r"\w+_rf_ptr\[[^\]]*\] = ", body)]
+    bodies = [body for _, _, body in kernel_bodies(source)]
+    writers = [body for body in bodies if re.search(r"\w+_rf_ptr\[[^\]]*\] = ", body)]
     if chunks == 1:
         assert not writers and "_rf_ptr" not in source
         return
@@ -365,5 +361,5 @@ def test_two_level_batch_stage_reduces_across_lanes(op, shape, options, candidat
     for body in writers:
         assert "__shfl_down_sync" in body, "a chunk's partial is written without a cross-lane reduction"
         assert f"blockIdx.x) * {shape[0] // chunks})" in body  # a block per chunk of rows
-    readers = [body for body in kernel_bodies(source) if "_rf_ptr" in body and body not in writers]
+    readers = [body for body in bodies if "_rf_ptr" in body and body not in writers]
     assert readers and all(f"threadIdx.x) < {chunks})" in body or chunks % 32 == 0 for body in readers)

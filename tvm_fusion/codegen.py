@@ -46,19 +46,18 @@ def _arch(kernel: Kernel) -> str:
     return str(kernel.target.attrs.get("arch", "sm_90"))
 
 
-def tvm_nvcc_flags() -> list[str]:
-    """The flag that matters of those TVM 0.27 compiles CUDA kernels with
-    (``tvm.support.nvcc``): ``--use_fast_math``, always on its default NVRTC path (and
-    on its nvcc path unless ``TVM_CUDA_NVCC_NO_FAST_MATH`` is set). Code read without
-    it is not the code that runs: expf, for one, is then about 8 instructions instead of
-    a multiply and a MUFU.EX2 (the padded warp-per-row row kernel of 65536x1000 fp16:
-    488 SASS instructions a warp without, 296 with)."""
-    return ["--use_fast_math"]
+# The flag that matters of those TVM 0.27 compiles CUDA kernels with (tvm.support.nvcc):
+# --use_fast_math, always on its default NVRTC path (and on its nvcc path unless
+# TVM_CUDA_NVCC_NO_FAST_MATH is set). Code read without it is not the code that runs:
+# expf, for one, is then about 8 instructions instead of a multiply and a MUFU.EX2 (the
+# padded warp-per-row row kernel of 65536x1000 fp16: 488 SASS instructions a warp
+# without, 296 with).
+TVM_NVCC_FLAGS = ("--use_fast_math",)
 
 
 def cuda_report(kernel: Kernel) -> CudaReport:
     """Compile the kernel's CUDA source with nvcc (PTX and cubin) as TVM does
-    (:func:`tvm_nvcc_flags`) and count what matters."""
+    (``TVM_NVCC_FLAGS``) and count what matters."""
     if kernel.target.kind.name != "cuda":
         raise ValueError(f"cuda_report needs a CUDA kernel, got target {kernel.target.kind.name}")
     nvcc = nvcc_path()
@@ -72,13 +71,13 @@ def cuda_report(kernel: Kernel) -> CudaReport:
             handle.write(source)
         ptx_path = os.path.join(tmp, "kernel.ptx")
         subprocess.run(
-            [nvcc, "-ptx", f"-arch={arch}", "-O3", *tvm_nvcc_flags(), "-o", ptx_path, cu],
+            [nvcc, "-ptx", f"-arch={arch}", "-O3", *TVM_NVCC_FLAGS, "-o", ptx_path, cu],
             check=True, capture_output=True, text=True,
         )
         with open(ptx_path) as handle:
             ptx = handle.read()
         cubin = subprocess.run(
-            [nvcc, "-cubin", f"-arch={arch}", "-O3", *tvm_nvcc_flags(), "-Xptxas=-v", "-o", os.path.join(tmp, "k.cubin"), cu],
+            [nvcc, "-cubin", f"-arch={arch}", "-O3", *TVM_NVCC_FLAGS, "-Xptxas=-v", "-o", os.path.join(tmp, "k.cubin"), cu],
             check=True, capture_output=True, text=True,
         )
     registers, spills, stack = _parse_ptxas(cubin.stderr + cubin.stdout)

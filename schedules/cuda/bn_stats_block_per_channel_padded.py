@@ -55,7 +55,6 @@ from tvm_fusion.registry import Candidate, Knobs, register
 from tvm_fusion.targets import sm_count
 
 from ..common import single_thread
-
 from .common import MAX_THREADS, prefers_split_plane, shifted_sums
 
 MAX_STEPS = 64  # padded granules a lane at the most (more: bn_stats_split_plane's planes)

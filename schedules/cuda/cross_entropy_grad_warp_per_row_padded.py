@@ -46,9 +46,7 @@ class CrossEntropyGradWarpPerRowPadded(Candidate):
         return (problem.mode == "fused" and not problem.in_place
                 and CrossEntropyWarpPerRowPadded.applies(self, problem))
 
-    def prefers(self, problem: CrossEntropyGradProblem, target) -> bool:
-        return self.applies(problem) and CrossEntropyWarpPerRowPadded.prefers(self, problem, target)
-
+    prefers = CrossEntropyWarpPerRowPadded.prefers  # with this class's applies
     choices = CrossEntropyWarpPerRowPadded.choices
     default_for = CrossEntropyWarpPerRowPadded.default_for
 
