@@ -58,13 +58,21 @@ def _bn_stats_launcher(x: Any, layout: Any) -> Callable[[Any], tuple[Any, Any]]:
     arg = arrays.inspect(x, "bn_stats", "x")
     problem = bn_stats_problem(arg.shape, arg.dtype, layout)
     kernel = kernel_for(problem, targets.for_device(arg.device_type))
-    kind, func = arrays.Kind(arg), kernel.func
+    kind, func = arrays.Kind(arg), kernel.packed
     empty, adapt = kind.allocator((problem.channels,), "float32"), kind.adapter(arg, problem.shape)
 
-    def launch(x: Any) -> tuple[Any, Any]:
-        mean, var = empty(), empty()
-        func(adapt(x), mean, var)
-        return mean, var
+    if kernel.counted:
+        counter = kind.counter()
+
+        def launch(x: Any) -> tuple[Any, Any]:
+            mean, var = empty(), empty()
+            func(adapt(x), mean, var, counter())
+            return mean, var
+    else:
+        def launch(x: Any) -> tuple[Any, Any]:
+            mean, var = empty(), empty()
+            func(adapt(x), mean, var)
+            return mean, var
 
     _LAUNCHERS[("bn_stats", signature(x), layout)] = launch
     return launch
@@ -149,7 +157,7 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
         _LAUNCHERS[key] = launch = lambda logits, target, weight: _empty_batch_loss(la, reduction)
         return launch
     kernel = kernel_for(problem, targets.for_device(la.device_type))
-    func, batch, classes = kernel.func, problem.batch, problem.classes
+    func, batch, classes = kernel.packed, problem.batch, problem.classes
     # Outputs: ([row_loss,] loss, first_bad_row); the row losses of a sum or mean
     # are scratch, the loss (0-d for a sum or mean) is the caller's, and the flag
     # goes where the check reads it.
@@ -162,6 +170,15 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
     deferred = check_targets and torch_cuda
     device_id = la.device_id  # not la itself: the launcher must not keep the first call's arrays alive
     sink = target_check.sink(device_id) if torch_cuda and not check_targets else None
+    # A merged kernel's launch counter goes last (single_launch).
+    if kernel.counted:
+        get_counter = kind.counter()
+
+        def extra() -> tuple:
+            return (get_counter(),)
+    else:
+        extra = tuple
+    flag_at = -2 if kernel.counted else -1
 
     def launch(logits: Any, target: Any, weight: Any) -> Any:
         args = inputs(logits, target, weight)
@@ -169,13 +186,13 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
             args += row_loss()
         loss = new_loss()
         if sink is not None:
-            func(*args, loss, sink)
+            func(*args, loss, sink, *extra())
         elif deferred:
-            args += [loss, None]
-            target_check.launch_checked(func, args, -1, device_id, batch, classes, ignore_index, target)
+            args += [loss, None, *extra()]
+            target_check.launch_checked(func, args, flag_at, device_id, batch, classes, ignore_index, target)
         else:  # the host has the flag at once (a sync for TVM's CUDA tensors)
             flag = new_flag()
-            func(*args, loss, flag)
+            func(*args, loss, flag, *extra())
             if check_targets:
                 row = kind.read_int(flag)
                 if row < batch:

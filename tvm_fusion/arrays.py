@@ -21,6 +21,7 @@ import numpy as np
 import tvm
 import tvm_ffi
 
+from . import single_launch
 from .kernel import PARAM_ALIGNMENT
 
 try:  # torch is optional; without it no argument is a torch tensor
@@ -152,6 +153,15 @@ class Kind:
             return buffers
 
         return get
+
+    def counter(self) -> Callable[[], Any]:
+        """A function that gives a merged kernel's launch counter (``single_launch``):
+        torch CUDA tensors, the current stream's (one of its own under CUDA graph
+        capture); TVM tensors, their device's."""
+        if self.name == "torch":
+            return single_launch.torch_counter(self.device.index or 0)
+        found = single_launch.tvm_counter(self.device)
+        return lambda: found
 
     # -- inputs -----------------------------------------------------------------
     def adapter(self, like: ArrayArg, shape: tuple[int, ...]) -> Callable[[Any], Any]:

@@ -1,0 +1,285 @@
+"""One launch where a schedule gives two: the last block to finish runs the second kernel.
+
+A cross entropy (row kernel, then one block over the row losses) or a split-plane
+``bn_stats`` (partials, then a finalize block a channel) is two kernels, and on the
+H200's host each TVM launch costs about 5 us of host time: on a small input the two
+launches, not the GPU, set the call's time. A schedule cannot fold the second kernel
+into the first (blocks run in no order, and only thread loops carry a cross-lane
+reduction), so this is a lowering pass, run after TVM has lowered the cross-thread
+reductions and before it splits host from device code:
+
+1. every thread of the first kernel ends with ``__threadfence()`` (its stores are
+   visible to every block), then ``__syncthreads()``;
+2. thread 0 takes a ticket, ``atomicAdd(launch_counter, 1)``; the block that draws
+   the last ticket resets the counter to 0 (the next launch on the stream starts from
+   0) and tells its threads through shared memory;
+3. that block runs the second kernel's body, its block index a serial loop (a block
+   over each of at most ``MAX_SERIAL_BLOCKS`` blocks), its thread indices bound to the
+   first kernel's, which must be the same (tags and extents).
+
+``launch_counter`` is a zeroed int32 (1,) parameter that :func:`with_launch_counter`
+appends to ``main``; the launch passes one per CUDA stream (``arrays.Kind.counter``).
+Where the pass cannot merge (one kernel, different thread extents, a second kernel of
+more blocks) it leaves the function as it was, the counter unused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import tvm
+import tvm_ffi
+from tvm import tirx
+
+COUNTER = "launch_counter"
+# TVM_FUSION_SINGLE_LAUNCH=0 builds every kernel as scheduled (an A/B switch).
+ENABLED = os.environ.get("TVM_FUSION_SINGLE_LAUNCH", "1") != "0"
+# A second kernel of this many blocks at most runs in the last block as a loop; one
+# of more (a finalize block per channel of a wide layer) keeps its own launch, where
+# its blocks spread over the SMs.
+MAX_SERIAL_BLOCKS = 4
+PIPELINE = "tvm_fusion_single_launch"
+# What TVM's s_tir pipeline runs after its cross-thread lowering: held back, then run
+# after the merge (a kernel boundary must still be there to move).
+_TAIL = ("s_tir.MergeSharedMemoryAllocations", "tirx.SplitHostDevice", "tirx.MakePackedAPI",
+         "tirx.FP8StorageLegalize", "tirx.BF16StorageLegalize")
+
+
+def with_launch_counter(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` with an int32 (1,) ``launch_counter`` parameter appended to ``main``."""
+    func = mod["main"]
+    counter = tirx.decl_buffer((1,), "int32", COUNTER, data_alignment=16)
+    new = tirx.PrimFunc([*func.params, counter], func.body, func.ret_type, func.attrs)
+    out = tvm.IRModule(dict(mod.functions))
+    out["main"] = new
+    return out
+
+
+def _counter(func: tirx.PrimFunc) -> tirx.Buffer | None:
+    last = func.params[-1] if func.params else None
+    return last if last is not None and last.name == COUNTER else None
+
+
+def _thread_attr(stmt, prefix: str):
+    return (isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent"
+            and stmt.node.thread_tag.startswith(prefix))
+
+
+def _launch_nest(launch):
+    """(block dims, thread dims, body) of a launch, each dim (tag, var, extent), where
+    the nest is attributes each holding declarations then the next attribute; None
+    when it is not that shape."""
+    blocks, threads, stmt = [], [], launch
+    while True:
+        if _thread_attr(stmt, "blockIdx") and not threads:
+            blocks.append((stmt.node.thread_tag, stmt.node.var, int(stmt.value)))
+        elif _thread_attr(stmt, "threadIdx"):
+            threads.append((stmt.node.thread_tag, stmt.node.var, int(stmt.value)))
+        else:
+            return None
+        body = stmt.body
+        seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+        last = seq[-1]
+        if _thread_attr(last, "blockIdx") or _thread_attr(last, "threadIdx"):
+            if any(isinstance(s, tirx.AttrStmt) and s.attr_key == "thread_extent" for s in seq[:-1]):
+                return None
+            stmt = last
+            continue
+        return blocks, threads, stmt
+
+
+def _sync():
+    return tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
+
+
+def _fence():
+    return tirx.Evaluate(tirx.call_extern("int32", "__threadfence"))
+
+
+def _replace_innermost(stmt, new_body):
+    """``stmt`` (a launch nest) with the body of its innermost thread attribute replaced."""
+    body = stmt.body
+    seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+    last = seq[-1]
+    if _thread_attr(last, "blockIdx") or _thread_attr(last, "threadIdx"):
+        seq[-1] = _replace_innermost(last, new_body)
+        inner = tirx.SeqStmt(seq) if len(seq) > 1 else seq[0]
+    else:
+        inner = new_body
+    return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, inner)
+
+
+def _flatten_second(launch, threads):
+    """The second kernel's statements for the last block: its thread indices bound to
+    the first kernel's, its block indices to a serial loop."""
+    binds, blocks, stmt = [], [], launch
+    by_tag = {tag: var for tag, var, _ in threads}
+    prefix = []
+    while _thread_attr(stmt, "blockIdx") or _thread_attr(stmt, "threadIdx"):
+        tag, var = stmt.node.thread_tag, stmt.node.var
+        if tag.startswith("threadIdx"):
+            binds.append(tirx.Bind(var, by_tag[tag]))
+        else:
+            blocks.append((var, int(stmt.value)))
+        body = stmt.body
+        seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+        last = seq[-1]
+        prefix.extend(seq[:-1])
+        if _thread_attr(last, "blockIdx") or _thread_attr(last, "threadIdx"):
+            stmt = last
+        else:
+            prefix.append(last)
+            break
+    serial = [(var, extent) for var, extent in blocks if extent > 1]
+    body = [*binds, *[tirx.Bind(var, tirx.const(0, "int32")) for var, extent in blocks if extent == 1], *prefix]
+    if not serial:
+        return body
+    (var, extent), = serial
+    loop_var = tirx.Var(var.name + "_serial", "int32")
+    # A sync ends each block: the next one's shared-memory writes come after every
+    # lane's reads of this one's.
+    return [tirx.For(loop_var, 0, extent, tirx.ForKind.SERIAL,
+                     tirx.SeqStmt([tirx.Bind(var, loop_var), *body, _sync()]))]
+
+
+def merge_last_launch(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with its last kernel run by the last block of the kernel before it
+    (the module docstring says how), or unchanged where that cannot be done."""
+    counter = _counter(func)
+    if counter is None:
+        return func
+    top = func.body
+    seq = list(top.seq) if isinstance(top, tirx.SeqStmt) else [top]
+    if len(seq) < 2 or not (_thread_attr(seq[-1], "blockIdx") and _thread_attr(seq[-2], "blockIdx")):
+        return func
+    first, second = _launch_nest(seq[-2]), _launch_nest(seq[-1])
+    if first is None or second is None:
+        return func
+    (blocks1, threads1, _), (blocks2, threads2, _) = first, second
+    if [(t, e) for t, _, e in threads1] != [(t, e) for t, _, e in threads2]:
+        return func
+    serial = [e for _, _, e in blocks2 if e > 1]
+    if len(serial) > 1 or (serial and serial[0] > MAX_SERIAL_BLOCKS):
+        return func
+    grid = 1
+    for _, _, extent in blocks1:
+        grid *= extent
+    innermost = seq[-2]
+    while True:  # the first kernel's innermost body
+        body = innermost.body
+        tail = (list(body.seq) if isinstance(body, tirx.SeqStmt) else [body])[-1]
+        if _thread_attr(tail, "blockIdx") or _thread_attr(tail, "threadIdx"):
+            innermost = tail
+            continue
+        break
+    first_body = innermost.body
+    # A thread attribute below a nest (inside a loop or a branch) would be a lane the
+    # ticket's lane-0 test does not see.
+    if "launch_thread" in first_body.script() or "launch_thread" in second[2].body.script():
+        return func
+
+    is_last = tirx.decl_buffer((1,), "int32", "launch_is_last", scope="shared")
+    ticket = tirx.Var("launch_ticket", "int32")
+    lane_zero = None
+    for _, var, _ in threads1:
+        cond = var == 0
+        lane_zero = cond if lane_zero is None else tirx.And(lane_zero, cond)
+    take_ticket = tirx.SeqStmt([
+        tirx.Bind(ticket, tirx.call_extern("int32", "atomicAdd", tirx.address_of(tirx.BufferLoad(counter, [0])), 1)),
+        tirx.BufferStore(is_last, tirx.Select(ticket == grid - 1, 1, 0), [0]),
+        tirx.IfThenElse(ticket == grid - 1, tirx.BufferStore(counter, tirx.const(0, "int32"), [0]), None),
+    ])
+    last_block = tirx.SeqStmt([_fence(), *_flatten_second(seq[-1], threads1)])
+    merged_body = tirx.SeqStmt([
+        first_body,
+        _fence(),
+        _sync(),
+        tirx.AllocBuffer(is_last),
+        tirx.IfThenElse(lane_zero, take_ticket, None),
+        _sync(),
+        tirx.IfThenElse(tirx.BufferLoad(is_last, [0]) != 0, last_block, None),
+    ])
+    merged = _replace_innermost(seq[-2], merged_body)
+    new_seq = [*seq[:-2], merged]
+    return func.with_body(tirx.SeqStmt(new_seq) if len(new_seq) > 1 else merged)
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_fusion.MergeLastLaunch")
+def merge_launches(mod, _ctx):
+    for gvar, func in list(mod.functions.items()):
+        if isinstance(func, tirx.PrimFunc):
+            mod[gvar] = merge_last_launch(func)
+    return mod
+
+
+def _single_launch_pipeline(**kwargs):
+    """TVM's s_tir pipeline with :func:`merge_launches` between its cross-thread
+    lowering and its host/device split."""
+    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.SingleLaunchPipeline")
+    def run(mod, ctx):
+        with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
+                                       disabled_pass=[*ctx.disabled_pass, *_TAIL], config=dict(ctx.config),
+                                       instruments=list(ctx.instruments)):
+            mod = pipeline(mod)
+        mod = merge_launches(mod)
+        return tvm.transform.Sequential([
+            tvm.s_tir.transform.MergeSharedMemoryAllocations(),
+            tirx.transform.SplitHostDevice(),
+            tirx.transform.MakePackedAPI(),
+            tirx.transform.FP8StorageLegalize(),
+            tirx.transform.BF16StorageLegalize(),
+        ])(mod)
+
+    return run, finalize_host, finalize_device
+
+
+tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, _single_launch_pipeline)
+
+
+# -- the counters a launch passes -------------------------------------------------
+# One zeroed counter per (CUDA device, torch stream): calls on one stream run in
+# order, and each merged kernel leaves its counter at 0 (and one that did not merge
+# never touches it). Under CUDA graph capture a call gets a counter of its own,
+# zeroed by a memset the graph records, so a replay never sees another's ticket.
+_PER_STREAM: dict[tuple[int, int], Any] = {}
+_PER_DEVICE: dict[tuple[int, int], Any] = {}  # TVM tensors: TVM's stream of that device
+
+
+def torch_counter(index: int) -> Callable[[], Any]:
+    """A function that gives the launch counter for the current stream of CUDA device ``index``."""
+    import torch
+
+    device = torch.device("cuda", index)
+    current_stream, capturing = torch._C._cuda_getCurrentRawStream, torch._C._cuda_isCurrentStreamCapturing
+
+    def get() -> Any:
+        if capturing():
+            return torch.zeros(1, dtype=torch.int32, device=device)
+        key = (index, current_stream(index))
+        found = _PER_STREAM.get(key)
+        if found is None:
+            found = _PER_STREAM.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
+        return found
+
+    return get
+
+
+def tvm_counter(device: Any) -> Any:
+    """The launch counter of a TVM device (a zeroed TVM tensor)."""
+    key = (device.dlpack_device_type(), device.index)
+    found = _PER_DEVICE.get(key)
+    if found is None:
+        found = _PER_DEVICE.setdefault(key, tvm.runtime.tensor(np.zeros(1, np.int32), device))
+    return found
+
+
+def counter_like(x: Any) -> Any:
+    """The launch counter for a kernel whose first argument is ``x`` (a torch or TVM tensor)."""
+    if isinstance(x, tvm_ffi.Tensor):
+        return tvm_counter(x.device)
+    return torch_counter(x.device.index or 0)()
