@@ -123,6 +123,7 @@ def call(op, options, inputs):
     if op == "bn_stats":
         return list(tf.bn_stats(inputs[0]))
     logits, target, *weight = inputs
+    options = {k: v for k, v in options.items() if k != "weight"}  # make_problem's flag: the tensor goes here
     return [tf.cross_entropy(logits, target, weight[0] if weight else None, check_targets=False, **options)]
 
 
