@@ -178,7 +178,7 @@ def build_kernel(
 
 ALIASED_PIPELINE = "tvm_fusion_aliased"
 # The calls whose second kernel the last block of the first runs (single_launch):
-# a call of one launch costs the host one TVM launch less (about 5 us on the H200's).
+# a call of one launch costs the host one TVM launch less (README, "Results").
 SINGLE_LAUNCH_OPS = ("cross_entropy", "bn_stats")
 
 
