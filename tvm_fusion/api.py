@@ -61,12 +61,12 @@ def _bn_stats_launcher(x: Any, layout: Any) -> Callable[[Any], tuple[Any, Any]]:
     kind, func = arrays.Kind(arg), kernel.packed
     empty, adapt = kind.allocator((problem.channels,), "float32"), kind.adapter(arg, problem.shape)
 
-    if kernel.counted:
-        counter = kind.counter()
+    if kernel.counted:  # a merged kernel's launch counter goes last (single_launch)
+        counter = kind.scratch([], counter=True)
 
         def launch(x: Any) -> tuple[Any, Any]:
             mean, var = empty(), empty()
-            func(adapt(x), mean, var, counter())
+            func(adapt(x), mean, var, *counter())
             return mean, var
     else:
         def launch(x: Any) -> tuple[Any, Any]:
@@ -162,7 +162,10 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
     # are scratch, the loss (0-d for a sum or mean) is the caller's, and the flag
     # goes where the check reads it.
     (*_, (_, loss_shape, _), (_, flag_shape, flag_dtype)) = kernel.outputs
-    row_loss = kind.scratch([kernel.outputs[0][1:]]) if len(kernel.outputs) == 3 else None
+    # Scratch: the row losses of a sum or mean, and a merged kernel's launch counter
+    # (single_launch), which goes last.
+    rows = len(kernel.outputs) == 3
+    scratch = kind.scratch([kernel.outputs[0][1:]] if rows else [], counter=kernel.counted)
     new_loss = kind.allocator(loss_shape, "float32")
     new_flag = kind.allocator(flag_shape, flag_dtype)
     inputs = ce_inputs(kind, la, ta, wa, batch, classes)
@@ -170,29 +173,23 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
     deferred = check_targets and torch_cuda
     device_id = la.device_id  # not la itself: the launcher must not keep the first call's arrays alive
     sink = target_check.sink(device_id) if torch_cuda and not check_targets else None
-    # A merged kernel's launch counter goes last (single_launch).
-    if kernel.counted:
-        get_counter = kind.counter()
-
-        def extra() -> tuple:
-            return (get_counter(),)
-    else:
-        extra = tuple
     flag_at = -2 if kernel.counted else -1
 
     def launch(logits: Any, target: Any, weight: Any) -> Any:
         args = inputs(logits, target, weight)
-        if row_loss is not None:
-            args += row_loss()
+        tail = scratch()
+        if rows:
+            args.append(tail[0])
+        counter = tail[rows:]
         loss = new_loss()
         if sink is not None:
-            func(*args, loss, sink, *extra())
+            func(*args, loss, sink, *counter)
         elif deferred:
-            args += [loss, None, *extra()]
+            args += [loss, None, *counter]
             target_check.launch_checked(func, args, flag_at, device_id, batch, classes, ignore_index, target)
         else:  # the host has the flag at once (a sync for TVM's CUDA tensors)
             flag = new_flag()
-            func(*args, loss, flag, *extra())
+            func(*args, loss, flag, *counter)
             if check_targets:
                 row = kind.read_int(flag)
                 if row < batch:

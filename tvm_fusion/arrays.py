@@ -125,15 +125,28 @@ class Kind:
             return lambda: np.empty(shape, dt)
         return lambda: tvm.runtime.empty(shape, dtype, self.device)
 
-    def scratch(self, specs: list[tuple[tuple[int, ...], str]]) -> Callable[[], list[Any]]:
-        """A function that gives the kernel outputs the caller never sees (row losses
-        before the batch reduction, a gradient's lse), one per (shape, dtype) spec.
-        CUDA tensors: one set per stream, reused by every later call on that stream
-        (stream order keeps the calls apart), except under CUDA graph capture, where
-        each call gets its own; an allocation costs 2.8-4.3 us of host time on the
-        H200's host. Everything else: fresh arrays per call, so that threads never
-        share one."""
+    def scratch(self, specs: list[tuple[tuple[int, ...], str]], counter: bool = False) -> Callable[[], list[Any]]:
+        """A function that gives the kernel arguments the caller never sees (row losses
+        before the batch reduction, a gradient's lse), one per (shape, dtype) spec,
+        and with ``counter`` a merged kernel's zeroed launch counter last
+        (``single_launch``).
+
+        CUDA torch tensors: one set per stream, reused by every later call on that
+        stream (stream order keeps the calls apart, and a merged kernel leaves its
+        counter at 0), held as TVM tensors, which tvm-ffi passes without the DLPack
+        exchange a torch tensor costs per call; under CUDA graph capture each call
+        gets a set of its own (a counter zeroed by a memset the graph records). An
+        allocation costs 2.8-4.3 us of host time on the H200's host. TVM tensors: the
+        scratch fresh per call, the counter their device's. Everything else: fresh
+        arrays per call, so that threads never share one."""
         allocators = [self.allocator(shape, dtype) for shape, dtype in specs]
+        if counter:
+            if self.name == "torch":
+                device = self.device
+                allocators.append(lambda: torch.zeros(1, dtype=torch.int32, device=device))
+            else:
+                found = single_launch.tvm_counter(self.device)
+                allocators.append(lambda: found)
 
         def fresh() -> list[Any]:
             return [allocate() for allocate in allocators]
@@ -149,19 +162,10 @@ class Kind:
             stream = current_stream(index)
             buffers = per_stream.get(stream)
             if buffers is None:
-                buffers = per_stream[stream] = fresh()
+                buffers = per_stream[stream] = [tvm_ffi.from_dlpack(t) for t in fresh()]
             return buffers
 
         return get
-
-    def counter(self) -> Callable[[], Any]:
-        """A function that gives a merged kernel's launch counter (``single_launch``):
-        torch CUDA tensors, the current stream's (one of its own under CUDA graph
-        capture); TVM tensors, their device's."""
-        if self.name == "torch":
-            return single_launch.torch_counter(self.device.index or 0)
-        found = single_launch.tvm_counter(self.device)
-        return lambda: found
 
     # -- inputs -----------------------------------------------------------------
     def adapter(self, like: ArrayArg, shape: tuple[int, ...]) -> Callable[[Any], Any]:

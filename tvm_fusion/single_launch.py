@@ -18,7 +18,8 @@ reductions and before it splits host from device code:
    first kernel's, which must be the same (tags and extents).
 
 ``launch_counter`` is a zeroed int32 (1,) parameter that :func:`with_launch_counter`
-appends to ``main``; the launch passes one per CUDA stream (``arrays.Kind.counter``).
+appends to ``main``; each API launcher passes one of its own per CUDA stream
+(``arrays.Kind.scratch``), a direct kernel call (``Kernel.func``) one per stream here.
 Where the pass cannot merge (one kernel, different thread extents, a second kernel of
 more blocks) it leaves the function as it was, the counter unused.
 """
@@ -242,7 +243,8 @@ tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, _single_launch_pip
 
 
 # -- the counters a launch passes -------------------------------------------------
-# One zeroed counter per (CUDA device, torch stream): calls on one stream run in
+# For direct kernel calls (Kernel.func; the API's launchers keep their own):
+# one zeroed counter per (CUDA device, torch stream): calls on one stream run in
 # order, and each merged kernel leaves its counter at 0 (and one that did not merge
 # never touches it). Under CUDA graph capture a call gets a counter of its own,
 # zeroed by a memset the graph records, so a replay never sees another's ticket.

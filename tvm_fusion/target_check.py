@@ -26,7 +26,6 @@ from __future__ import annotations
 import collections
 import ctypes
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import tvm_ffi
@@ -39,13 +38,9 @@ STRIDE = 4  # int32s between slots: every slot is 16-byte aligned, as kernel par
 _KDL_CUDA = 2
 
 
-@dataclass
-class _Pending:
-    slot: int
-    batch: int
-    classes: int
-    ignore_index: int
-    target: Any  # the call's target tensor, to name the bad value
+# A pending call: (slot, batch, classes, ignore_index, target), the target tensor to
+# name the bad value (a tuple: a launch makes one, and a dataclass costs more).
+_Pending = tuple
 
 
 class _DLDevice(ctypes.Structure):
@@ -95,7 +90,7 @@ class _Ring:
 
     def __init__(self, torch: Any):
         self.host = torch.full(((SLOTS + 1) * STRIDE,), UNWRITTEN, dtype=torch.int32, pin_memory=True)
-        self.values = self.host.numpy()  # the same pinned memory, read without torch
+        self.values = memoryview(self.host.numpy())  # the same pinned memory as Python ints
         self.busy = [False] * SLOTS  # a pending call owns the slot
         self.next = 0
         self._views: dict[int, list[tvm_ffi.Tensor]] = {}
@@ -110,11 +105,12 @@ class _Ring:
         return self._views[device_id]
 
     def value(self, slot: int) -> int:
-        return int(self.values[slot * STRIDE])
+        return self.values[slot * STRIDE]
 
 
 _LOCK = threading.Lock()
 _RING: _Ring | None = None
+_CAPTURING: Any = None  # torch's is-the-current-stream-capturing test, looked up once
 _PENDING: collections.deque[_Pending] = collections.deque()
 
 
@@ -134,38 +130,36 @@ def sink(device_id: int) -> tvm_ffi.Tensor:
     return _ring().views(device_id)[SLOTS]
 
 
-def claim(device_id: int, batch: int, classes: int, ignore_index: int, target: Any) -> tuple[int, tvm_ffi.Tensor]:
-    """The slot and flag parameter of a checked call about to launch: the slot is
-    reset to -1 and recorded as pending. If the launch fails, :func:`unclaim`
-    gives it back."""
-    import torch
+def launch_checked(func: Any, args: list[Any], flag_at: int, device_id: int, batch: int, classes: int,
+                   ignore_index: int, target: Any) -> None:
+    """``func(*args)`` with a claimed slot as ``args[flag_at]``: an earlier call's bad
+    target is raised first (if its kernel has run), the slot is reset to -1 and
+    recorded as pending, and a failed launch gives it back."""
+    global _CAPTURING
+    if _CAPTURING is None:
+        import torch
 
-    if torch.cuda.is_current_stream_capturing():
+        _CAPTURING = torch._C._cuda_isCurrentStreamCapturing
+    if _CAPTURING():
         raise RuntimeError(
             "cross_entropy: check_targets=True cannot run inside CUDA graph capture (the "
             "check reads a flag on the host after the kernel); pass check_targets=False"
         )
-    ring = _ring()
-    views = ring.views(device_id)
+    ring = _RING or _ring()
     with _LOCK:
+        if _PENDING:
+            _raise_finished_locked()
         slot = ring.next
         if ring.busy[slot]:  # SLOTS calls since this one: wait for it
+            import torch
+
             torch.cuda.synchronize()
             _raise_finished_locked()
         ring.next = (slot + 1) % SLOTS
         ring.busy[slot] = True
         ring.values[slot * STRIDE] = UNWRITTEN
-        _PENDING.append(_Pending(slot, batch, classes, ignore_index, target))
-    return slot, views[slot]
-
-
-def launch_checked(func: Any, args: list[Any], flag_at: int, device_id: int, batch: int, classes: int,
-                   ignore_index: int, target: Any) -> None:
-    """``func(*args)`` with a claimed slot as ``args[flag_at]``: an earlier call's bad
-    target is raised first (if its kernel has run), and a failed launch gives the
-    slot back."""
-    raise_finished()
-    slot, args[flag_at] = claim(device_id, batch, classes, ignore_index, target)
+        _PENDING.append((slot, batch, classes, ignore_index, target))
+    args[flag_at] = ring.views(device_id)[slot]
     try:
         func(*args)
     except BaseException:
@@ -177,40 +171,31 @@ def unclaim(slot: int) -> None:
     """Forget a claimed slot whose launch raised."""
     with _LOCK:
         for pending in _PENDING:
-            if pending.slot == slot:
+            if pending[0] == slot:
                 _PENDING.remove(pending)
                 _RING.busy[slot] = False
                 return
 
 
-def raise_finished() -> None:
-    """Raise for the first finished call that flagged a bad row; forget the good ones.
-
-    Costs a few hundred nanoseconds when nothing is pending."""
-    if _PENDING:
-        with _LOCK:
-            _raise_finished_locked()
-
-
 def _raise_finished_locked() -> None:
     ring = _RING
     while _PENDING:
-        pending = _PENDING[0]
-        row = ring.value(pending.slot)
+        slot, batch, classes, ignore_index, target = _PENDING[0]
+        row = ring.value(slot)
         if row == UNWRITTEN:
             return  # still running (later calls on this stream are too)
         _PENDING.popleft()
-        ring.busy[pending.slot] = False
-        if row < pending.batch:
+        ring.busy[slot] = False
+        if row < batch:
             # One error at a time: the later calls are dropped, once their kernels
             # have finished (so a reused slot never receives a stale flag).
             import torch
 
             torch.cuda.synchronize()
             for other in _PENDING:
-                ring.busy[other.slot] = False
+                ring.busy[other[0]] = False
             _PENDING.clear()
-            raise TargetOutOfRangeError(row, _value(pending.target, row), pending.classes, pending.ignore_index)
+            raise TargetOutOfRangeError(row, _value(target, row), classes, ignore_index)
 
 
 def check_targets() -> None:
