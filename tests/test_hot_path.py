@@ -227,3 +227,41 @@ def test_a_launcher_does_not_keep_its_first_calls_tensors_alive():
         del logits
         gc.collect()
         assert alive() is None
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+def test_a_4d_torch_input_goes_in_as_it_is_and_the_kernel_code_is_the_same(monkeypatch):
+    """bn_stats' kernels take (N, C, L) or (M, C); a contiguous 4-d torch tensor is
+    passed as it is to a kernel compiled for its shape (a view per call costs more
+    host time than the rest of the argument handling): the generated CUDA is the
+    same, and a later call makes no view and is right."""
+    from tvm_fusion import dispatch
+    from tvm_fusion.kernel import with_param_alignment
+
+    cuda = targets.resolve("cuda")
+    for shape, layout in (((8, 3, 24, 24), "NCHW"), ((4, 6, 6, 64), "NHWC")):
+        problem = tf.make_problem("bn_stats", shape, "float16", layout=layout)
+        plain = dispatch.kernel_for(problem, cuda)
+        as_called = dispatch.kernel_for(problem, cuda, input_shapes=(("x", shape),))
+        assert plain.params[0][1] == problem.shape and as_called.params[0][1] == shape
+        assert plain.device_source() == as_called.device_source().replace("x_as_called", "x")
+    with pytest.raises(ValueError, match="has 1728 elements, not the 1729"):
+        sch, _ = schedule_for(tf.make_problem("bn_stats", (8, 3, 72), "float32"), targets.resolve("llvm"),
+                              "bn_stats_parallel")
+        with_param_alignment(sch.mod, shapes={"x": (1729,)})
+
+    gen = rng()
+    for shape, layout in (((5, 3, 7, 9), "NCHW"), ((4, 3, 5, 16), "NHWC")):
+        x = torch.from_numpy(random_floats(gen, shape, "float32"))
+        tf.bn_stats(x, layout)
+        fresh = torch.from_numpy(random_floats(gen, shape, "float32"))
+
+        def no_view(self, *args, **kwargs):
+            raise AssertionError("the hot path made a view")
+
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.Tensor, "view", no_view)
+            mean, var = tf.bn_stats(fresh, layout)
+        ref_mean, ref_var = bn_ref.reference(fresh.numpy(), layout)
+        assert_close(mean.numpy(), ref_mean, 1e-5, 1e-5, f"mean {layout}")
+        assert_close(var.numpy(), ref_var, 1e-5, 1e-5, f"var {layout}")

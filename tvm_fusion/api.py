@@ -57,9 +57,16 @@ def bn_stats(x: Any, layout: str = "NCHW") -> tuple[Any, Any]:
 def _bn_stats_launcher(x: Any, layout: Any) -> Callable[[Any], tuple[Any, Any]]:
     arg = arrays.inspect(x, "bn_stats", "x")
     problem = bn_stats_problem(arg.shape, arg.dtype, layout)
-    kernel = kernel_for(problem, targets.for_device(arg.device_type))
-    kind, func = arrays.Kind(arg), kernel.packed
-    empty, adapt = kind.allocator((problem.channels,), "float32"), kind.adapter(arg, problem.shape)
+    kind = arrays.Kind(arg)
+    # A contiguous torch tensor of another rank than the kernel's goes in as it is,
+    # the kernel compiled to take its shape: a view per call costs more host time
+    # than the rest of the argument handling.
+    as_called = kind.takes_as_called(arg, problem.shape)
+    kernel = kernel_for(problem, targets.for_device(arg.device_type),
+                        input_shapes=(("x", arg.shape),) if as_called else ())
+    func = kernel.packed
+    empty = kind.allocator((problem.channels,), "float32")
+    adapt = kind.adapter(arg, arg.shape if as_called else problem.shape)
 
     if kernel.counted:  # a merged kernel's launch counter goes last (single_launch)
         counter = kind.scratch([], counter=True)

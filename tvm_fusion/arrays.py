@@ -168,6 +168,12 @@ class Kind:
         return get
 
     # -- inputs -----------------------------------------------------------------
+    def takes_as_called(self, like: ArrayArg, shape: tuple[int, ...]) -> bool:
+        """Whether a kernel of parameter ``shape`` should take arguments like ``like``
+        in their own shape (``kernel.build_kernel``'s input_shapes): contiguous torch
+        tensors of another rank, which would otherwise need a view each call."""
+        return self.name == "torch" and like.obj.is_contiguous() and tuple(like.shape) != tuple(shape)
+
     def adapter(self, like: ArrayArg, shape: tuple[int, ...]) -> Callable[[Any], Any]:
         """:meth:`as_input` for every later argument with ``like``'s signature,
         with what the signature already fixes (rank, contiguity) decided once:

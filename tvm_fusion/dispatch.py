@@ -151,13 +151,16 @@ def _cost_model_choice(problem: Problem, target: Target, log_dir: str | os.PathL
                   f"no tuning record; cost model in {path}: {why} ({len(ranked)} configurations ranked)")
 
 
-def kernel_for(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None) -> Kernel:
+def kernel_for(problem: Problem, target: Target, log_dir: str | os.PathLike | None = None,
+               input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> Kernel:
     """The compiled kernel of the choice (the API's launchers call this once per
-    call signature)."""
-    key = _cache_key(problem, target, log_dir)
+    call signature); ``input_shapes``: inputs it takes in their caller's shape
+    (``kernel.build_kernel``)."""
+    key = (*_cache_key(problem, target, log_dir), input_shapes)
     if key not in _KERNELS:
         choice = choose(problem, target, log_dir)
-        _KERNELS[key] = build_kernel(problem, target, choice.candidate, choice.knobs, choice.source, mod=choice.mod)
+        _KERNELS[key] = build_kernel(problem, target, choice.candidate, choice.knobs, choice.source, mod=choice.mod,
+                                     input_shapes=input_shapes)
     return _KERNELS[key]
 
 

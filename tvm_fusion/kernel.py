@@ -12,6 +12,7 @@ AVX-512 loads, so every numpy array (malloc gives 16) had to be copied first.
 
 from __future__ import annotations
 
+import math
 import re
 import threading
 from dataclasses import dataclass, field
@@ -48,7 +49,8 @@ class Kernel:
         # launch counter (single_launch) is not among them: ``counted`` says the
         # packed function takes one last, and ``func`` passes it.
         params = [
-            (p.name.removesuffix("_0d"), tuple(int(d) for d in p.shape), str(p.dtype))
+            (p.name.removesuffix(SCALAR_SUFFIX).removesuffix(AS_CALLED_SUFFIX), tuple(int(d) for d in p.shape),
+             str(p.dtype))
             for p in (self.compiled or self.mod)["main"].params
         ]
         self.counted = bool(params) and params[-1][0] == single_launch.COUNTER
@@ -87,43 +89,67 @@ SCALAR_PARAMS = ("loss", "dloss")
 _BUFFER_PARAM = re.compile(r'T\.Buffer\((\((?:[^()]|\([^()]*\))*\)), ("\w+")\)')
 
 
+# The outer name of a parameter taken in another shape than the body's: a scalar
+# (``with_param_alignment``'s scalars) and an input in its caller's shape.
+SCALAR_SUFFIX, AS_CALLED_SUFFIX = "_0d", "_as_called"
+
+
 def with_param_alignment(mod: tvm.IRModule, alignment: int = PARAM_ALIGNMENT,
-                         scalars: tuple[str, ...] = ()) -> tvm.IRModule:
+                         scalars: tuple[str, ...] = (),
+                         shapes: dict[str, tuple[int, ...]] | None = None) -> tvm.IRModule:
     """``mod`` with every parameter buffer of ``main`` declared ``alignment``-byte
-    aligned, and each parameter named in ``scalars`` whose shape is (1,) taken as a
-    0-d tensor (the body still sees a (1,) buffer over the same data).
+    aligned; each parameter named in ``scalars`` whose shape is (1,) taken as a 0-d
+    tensor, and each named in ``shapes`` taken in that shape (the same number of
+    elements: an input as its caller holds it, so a call needs no view). The body
+    still sees its own shape over the same data.
 
     TVM 0.27's Python API cannot swap a PrimFunc's parameter buffers (the body refers
     to them by identity, and ``specialize`` refuses another alignment), so the
     function is printed, its signature edited and parsed back;
     tests/test_hot_path.py checks that the round trip changes nothing else."""
+    reshaped = {name: () for name in scalars}
+    reshaped.update(shapes or {})
     lines = mod.script().splitlines()
     for i, line in enumerate(lines):
         if line.lstrip().startswith("def main("):
             lines[i] = _BUFFER_PARAM.sub(rf"T.Buffer(\1, \2, align={alignment})", line)
             body_indent = lines[i + 1][: len(lines[i + 1]) - len(lines[i + 1].lstrip())]
             first = i + 2 if lines[i + 1].lstrip().startswith("T.func_attr(") else i + 1  # the body's first line
-            for name in scalars:
-                # (1,), or (T.int64(1),) in a kernel that indexes with int64 (past 2^31 elements)
-                param = re.search(rf"\b{name}: T\.Buffer\((\((?:1|T\.int64\(1\)),\)), (\"\w+\"), "
+            for name, outer in reshaped.items():
+                param = re.search(rf"\b{name}: T\.Buffer\((\((?:[^()]|\([^()]*\))*\)), (\"\w+\"), "
                                   rf"align={alignment}\)", lines[i])
-                if param:
-                    shape, dtype = param.group(1), param.group(2)
-                    lines[i] = (lines[i][: param.start()] + f"{name}_0d: T.Buffer((), {dtype}, align={alignment})"
-                                + lines[i][param.end() :])
-                    lines.insert(first, f"{body_indent}{name} = T.decl_buffer({shape}, {dtype}, data={name}_0d.data, "
-                                        f"align={alignment})")
+                if param is None:
+                    continue
+                shape, dtype = param.group(1), param.group(2)
+                dims = [int(d) for d in re.findall(r"\d+", shape.replace("T.int64", ""))]
+                if name in scalars:
+                    if dims != [1]:  # (1,), or (T.int64(1),) in a kernel past 2^31 elements
+                        continue
+                    suffix = SCALAR_SUFFIX
+                else:
+                    if math.prod(outer) != math.prod(dims):
+                        raise ValueError(f"with_param_alignment: {name} has {math.prod(dims)} elements, "
+                                         f"not the {math.prod(outer)} of {outer}")
+                    suffix = AS_CALLED_SUFFIX
+                wide = "T.int64" in shape
+                outer_text = "(" + "".join(f"T.int64({d})," if wide else f"{d}," for d in outer) + ")"
+                lines[i] = (lines[i][: param.start()] + f"{name}{suffix}: T.Buffer({outer_text}, {dtype}, "
+                            f"align={alignment})" + lines[i][param.end() :])
+                lines.insert(first, f"{body_indent}{name} = T.decl_buffer({shape}, {dtype}, "
+                                    f"data={name}{suffix}.data, align={alignment})")
             break
     else:  # pragma: no cover - every module here has a main
         raise ValueError("with_param_alignment: the module has no main")
     return tvm.script.from_source("\n".join(lines))
 
 
-def compiled_form(mod: tvm.IRModule, problem: Problem) -> tvm.IRModule:
+def compiled_form(mod: tvm.IRModule, problem: Problem,
+                  input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> tvm.IRModule:
     """The module as :func:`build_kernel` compiles it: 16-byte aligned parameters,
-    and a sum's or mean's loss (and upstream gradient) 0-d."""
+    a sum's or mean's loss (and upstream gradient) 0-d, and each input named in
+    ``input_shapes`` taken in the caller's shape."""
     reduced = getattr(problem, "reduction", "none") != "none"
-    return with_param_alignment(mod, PARAM_ALIGNMENT, SCALAR_PARAMS if reduced else ())
+    return with_param_alignment(mod, PARAM_ALIGNMENT, SCALAR_PARAMS if reduced else (), dict(input_shapes))
 
 
 _CACHE: dict[tuple, Kernel] = {}
@@ -151,14 +177,17 @@ def build_kernel(
     knobs: Knobs | None = None,
     source: str = "explicit",
     mod: tvm.IRModule | None = None,
+    input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = (),
 ) -> Kernel:
     """Compile (or fetch from the cache) ``candidate`` for ``problem`` on ``target``.
 
     ``mod`` is an already scheduled module (a tuning record's); else the candidate
-    schedules the problem with ``knobs``."""
+    schedules the problem with ``knobs``. ``input_shapes``, (name, shape) pairs:
+    inputs the compiled function takes in their caller's shape (``compiled_form``)."""
     cand = registry.get(candidate)
     knobs = knobs or cand.default_for(problem, target)
-    cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm_ffi.structural_hash(mod))
+    cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm_ffi.structural_hash(mod),
+                 input_shapes)
     with _LOCK:
         if cache_key in _CACHE:
             return _CACHE[cache_key]
@@ -166,7 +195,7 @@ def build_kernel(
         sch, knobs = schedule_for(problem, target, candidate, knobs)
         mod = sch.mod
     with target:
-        compiled = compiled_form(mod, problem)
+        compiled = compiled_form(mod, problem, input_shapes)
         pipeline = ALIASED_PIPELINE if getattr(problem, "in_place", False) else "default"
         if target.kind.name == "cuda" and problem.op in SINGLE_LAUNCH_OPS and single_launch.ENABLED:
             compiled, pipeline = single_launch.with_launch_counter(compiled), single_launch.PIPELINE
