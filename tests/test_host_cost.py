@@ -1,6 +1,8 @@
 """The host-cost breakdown runs and says what it times (its figures come from the
 device; here only that every step is timed and the launchers are left as found)."""
 
+import json
+
 import pytest
 import tvm_ffi
 
@@ -18,8 +20,6 @@ def test_breakdown_times_every_step_and_restores_the_launchers(monkeypatch, tmp_
     monkeypatch.setattr(host_cost, "REPEATS", 1)
     out = tmp_path / "host.json"
     assert host_cost.main(["--device", "cpu", "--json", str(out)]) == 0
-    import json
-
     figures = json.loads(out.read_text())["host_us"]
     for step in ("torch.empty(3) float32", "TVM call, empty kernel, 6 torch tensors",
                  "bn_stats 8x3x224x224 fp16: tf.bn_stats(x)", "cross_entropy 128x32000 fp16: F.cross_entropy",

@@ -69,6 +69,16 @@ def _empty_kernels(device: str):
     return built
 
 
+def _prepared(kernel: Any, inputs: list[Any], device: Any) -> list[Any]:
+    """``kernel.packed``'s arguments: ``inputs``, fresh torch outputs, and a zeroed
+    launch counter if the kernel takes one."""
+    import torch
+
+    outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, shape, dtype in kernel.outputs]
+    counter = [torch.zeros(1, dtype=torch.int32, device=device)] if kernel.counted else []
+    return [*inputs, *outs, *counter]
+
+
 def breakdown(device: str = "cuda") -> dict[str, float]:
     """Host microseconds per call of each step, keyed by a short description."""
     import torch
@@ -76,7 +86,7 @@ def breakdown(device: str = "cuda") -> dict[str, float]:
 
     import tvm_fusion as tf
 
-    from . import api, arrays, single_launch, targets
+    from . import api, arrays, targets
     from .contracts import bn_stats_problem, cross_entropy_problem
     from .dispatch import kernel_for
 
@@ -101,8 +111,7 @@ def breakdown(device: str = "cuda") -> dict[str, float]:
     x = torch.randn(8, 3, 224, 224, device=dev, generator=gen).half()
     put("arrays.signature(x)", lambda: arrays.signature(x))
     if cuda:
-        counter = single_launch.torch_counter(0)
-        put("launch counter lookup", counter)
+        put("launch counter lookup", arrays.Kind(arrays.inspect(x, "host_cost", "x")).scratch([], counter=True))
         put("torch.cuda.is_current_stream_capturing()", torch.cuda.is_current_stream_capturing)
         put("torch._C._cuda_isCurrentStreamCapturing()", torch._C._cuda_isCurrentStreamCapturing)
 
@@ -116,10 +125,8 @@ def breakdown(device: str = "cuda") -> dict[str, float]:
     # bn_stats 8x3x224x224 fp16: the kernel on prepared arguments, then the call.
     target = targets.for_device(device)
     kernel = kernel_for(bn_stats_problem(tuple(x.shape), "float16", "NCHW"), target)
-    xv, mean, var = x.view(*kernel.params[0][1]), torch.empty(3, device=dev), torch.empty(3, device=dev)
-    extra = (single_launch.torch_counter(0)(),) if kernel.counted else ()
-    put(f"bn_stats 8x3x224x224 fp16: kernel on prepared args ({kernel.candidate})",
-        lambda: kernel.packed(xv, mean, var, *extra))
+    bn_args = _prepared(kernel, [x.view(*kernel.params[0][1])], dev)
+    put(f"bn_stats 8x3x224x224 fp16: kernel on prepared args ({kernel.candidate})", lambda: kernel.packed(*bn_args))
     put("bn_stats 8x3x224x224 fp16: tf.bn_stats(x)", lambda: tf.bn_stats(x))
     if cuda:
         put("bn_stats 8x3x224x224 fp16: torch.batch_norm_stats(x, 1e-5)", lambda: torch.batch_norm_stats(x, 1e-5))
@@ -129,12 +136,8 @@ def breakdown(device: str = "cuda") -> dict[str, float]:
     target_idx = torch.randint(0, 32000, (128,), device=dev, generator=gen)
     problem = cross_entropy_problem((128, 32000), "float16", (128,), "int64", None, "float32", -100, "mean", 0.0)
     kernel = kernel_for(problem, target)
-    row_loss = [torch.empty(shape, dtype=getattr(torch, dtype), device=dev)
-                for _, shape, dtype in kernel.outputs[:-2]]
-    loss, flag = torch.empty((), device=dev), torch.empty(1, dtype=torch.int32, device=dev)
-    extra = (single_launch.torch_counter(0)(),) if kernel.counted else ()
-    put(f"cross_entropy 128x32000 fp16: kernel on prepared args ({kernel.candidate})",
-        lambda: kernel.packed(logits, target_idx, *row_loss, loss, flag, *extra))
+    ce_args = _prepared(kernel, [logits, target_idx], dev)
+    put(f"cross_entropy 128x32000 fp16: kernel on prepared args ({kernel.candidate})", lambda: kernel.packed(*ce_args))
     put("cross_entropy 128x32000 fp16: tf.cross_entropy(check_targets=False)",
         lambda: tf.cross_entropy(logits, target_idx, check_targets=False))
     put("cross_entropy 128x32000 fp16: tf.cross_entropy (default check)", lambda: tf.cross_entropy(logits, target_idx))
@@ -192,8 +195,8 @@ def single_launch_ab(rounds: int = 3) -> dict[str, float]:
     much as a launch costs)."""
     import torch
 
-    from . import kernel as kernel_module
     from . import single_launch, targets, timing
+    from .kernel import build_kernel
     from .contracts import bn_stats_problem, cross_entropy_problem
     from .dispatch import choose
 
@@ -214,16 +217,11 @@ def single_launch_ab(rounds: int = 3) -> dict[str, float]:
             single_launch.ENABLED = merged
             for name, (problem, inputs) in problems.items():
                 choice = choose(problem, target)
-                with kernel_module._LOCK:
-                    kernel_module._CACHE.clear()
-                kernel = kernel_module.build_kernel(problem, target, choice.candidate, choice.knobs, mod=choice.mod)
-                outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=dev) for _, shape, dtype in kernel.outputs]
-                args = [*inputs, *outs] + ([torch.zeros(1, dtype=torch.int32, device=dev)] if kernel.counted else [])
+                kernel = build_kernel(problem, target, choice.candidate, choice.knobs, mod=choice.mod)
+                args = _prepared(kernel, inputs, dev)
                 launches[f"{name}, {kernel.launches()} launch(es)"] = (lambda k=kernel, a=args: k.packed(*a))
     finally:
         single_launch.ENABLED = enabled
-        with kernel_module._LOCK:
-            kernel_module._CACHE.clear()
     samples: dict[str, list[float]] = {}
     for _ in range(rounds):
         for name, launch in launches.items():

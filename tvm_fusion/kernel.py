@@ -186,8 +186,10 @@ def build_kernel(
     inputs the compiled function takes in their caller's shape (``compiled_form``)."""
     cand = registry.get(candidate)
     knobs = knobs or cand.default_for(problem, target)
+    # single_launch.ENABLED is in the key: a build with the merge switched off (an
+    # A/B in one process) is another kernel.
     cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm_ffi.structural_hash(mod),
-                 input_shapes)
+                 input_shapes, single_launch.ENABLED)
     with _LOCK:
         if cache_key in _CACHE:
             return _CACHE[cache_key]
