@@ -130,9 +130,10 @@ def coefficients_at(sch: s_tir.Schedule, problem: Any, row: LoopRV, scope: str |
             outputs_to(sch, block, scope)
 
 
-def merge_rows(sch: s_tir.Schedule, names: list[str]) -> LoopRV:
-    """One row loop for the named blocks (each with the row as its outer loop), at the
-    last one's place, bodies in the given order (TVM's merge checks no dependence).
+def merge_rows(sch: s_tir.Schedule, names: list[str], then: LoopRV | None = None) -> LoopRV:
+    """One row loop for the named blocks (each with the row as its outer loop) and the
+    row loop ``then`` when given, at the last one's place, bodies in the given order
+    (TVM's merge checks no dependence).
 
     Why not compute_at into one anchor: the fused gradient's per-row outputs (``lse``,
     the row loss) consume the row statistics and cannot move (output blocks), the
@@ -140,4 +141,5 @@ def merge_rows(sch: s_tir.Schedule, names: list[str]) -> LoopRV:
     ``dlogits`` cannot move under the statistics' row because its coefficients read
     the mean's denominator, a block outside. Merging the sibling row loops needs none
     of that."""
-    return sch.merge(*[sch.get_loops(sch.get_sblock(name))[0] for name in names])
+    loops = [sch.get_loops(sch.get_sblock(name))[0] for name in names]
+    return sch.merge(*loops, *([then] if then is not None else []))

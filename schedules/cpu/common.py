@@ -8,6 +8,7 @@ from typing import Any
 from tvm import s_tir
 from tvm.target import Target
 
+from tvm_fusion.compute.cross_entropy import poly_exp_body, poly_exp_joins
 from tvm_fusion.registry import Candidate, Knobs
 
 from ..common import LoopRV, SBlockRV
@@ -39,6 +40,25 @@ def default_lanes(lanes: list[int]) -> int:
     """A candidate's default ``lanes`` from its choices: 16 where it divides, else the
     widest that does."""
     return 16 if 16 in lanes else max(lanes)
+
+
+def row_lane_choices(classes: int) -> list[int]:
+    """A cross entropy row's ``lanes`` choices: those that split its body
+    (``poly_exp_body``: all of it, or its first V - V mod 16 classes)."""
+    return lane_choices(poly_exp_body(classes))
+
+
+def row_passes(sch: s_tir.Schedule, problem: Any) -> list[tuple[str, bool]]:
+    """The row statistics' blocks of ``three_pass_poly_exp`` (and the fused gradient's),
+    consumers first, so that each can move under the row after those that read it;
+    True for the reductions that go into lane partials (:func:`lane_partials`).
+    A ragged row's joins of its body and tail sums are inlined into their readers
+    first."""
+    if poly_exp_body(problem.classes) == problem.classes:
+        return [("row_sumexp", True), ("row_max", True)]
+    for name in poly_exp_joins(problem):
+        sch.compute_inline(sch.get_sblock(name))
+    return [("row_sumexp_tail", False), ("row_sumexp_body", True), ("row_max", False), ("row_max_body", True)]
 
 
 def lane_partials(sch: s_tir.Schedule, block: SBlockRV, lanes: Any) -> SBlockRV:

@@ -13,7 +13,8 @@ LLVM vectorizes), for any shape on the CPU.
 3. ``row_max`` and ``row_sumexp`` reduce into ``lanes`` float32 partials (rfactor over
    the innermost split), vectorized, then across the lanes; the per-row gradient
    coefficients are computed once per row.
-4. ``dlogits`` is the map over the row, ``lanes`` values a vector.
+4. ``dlogits`` is the map over the row, ``lanes`` values a vector (a ragged row's
+   body; its tail of V mod 16 after it, see ``poly_exp_body``).
 5. The batch sum of the row losses runs serially.
 
 Below ``SERIAL_BELOW`` logits the rows run on one core (``parallel=0``).
@@ -29,11 +30,12 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
+from tvm_fusion.compute.cross_entropy import poly_exp_body
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import coefficients_at, knob_value, merge_rows
-from .common import default_lanes, lane_choices, lane_partials, parallel_choices, vectorize_partials
+from .common import default_lanes, lane_partials, parallel_choices, row_lane_choices, row_passes, vectorize_partials
 
 
 @dataclass(frozen=True)
@@ -48,6 +50,9 @@ def vectorized_map(sch, problem: CrossEntropyGradProblem, knobs):
     dlogits = sch.get_sblock("dlogits")
     row, col = sch.get_loops(dlogits)
     coefficients_at(sch, problem, row)
+    body = poly_exp_body(problem.classes)
+    if body < problem.classes:  # the row's body in vectors, its tail after it
+        col, _ = sch.loop_partition(col, [body, None])
     _, lane = sch.split(col, [None, knobs.lanes])
     sch.vectorize(lane)
     return row
@@ -65,22 +70,22 @@ class CrossEntropyGradParallel(Candidate):
         return problem.op == self.op and problem.mode == "fused"
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
-        return {"lanes": lane_choices(problem.classes), "parallel": parallel_choices(problem.numel)}
+        return {"lanes": row_lane_choices(problem.classes), "parallel": parallel_choices(problem.numel)}
 
     def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradRowsParallelKnobs:
-        lanes = lane_choices(problem.classes)
+        lanes = row_lane_choices(problem.classes)
         return GradRowsParallelKnobs(lanes=default_lanes(lanes),
                                      parallel=parallel_choices(problem.numel)[0])
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
-        names = ("row_sumexp", "row_max")
+        passes = row_passes(sch, problem)
         # 3a. Each statistics pass into vector-lane partials (before the loops move).
-        partials = [lane_partials(sch, sch.get_sblock(name), knobs.lanes) for name in names]
+        partials = [lane_partials(sch, sch.get_sblock(name), knobs.lanes) for name, lanes in passes if lanes]
         # 4. The map and its coefficients.
-        vectorized_map(sch, problem, knobs)
-        # 2. One row loop for every per-row block.
+        map_row = vectorized_map(sch, problem, knobs)
+        # 2. One row loop for every per-row block (producers first).
         loss = "loss" if problem.reduction == "none" else "row_loss"
-        row = merge_rows(sch, ["row_max", "row_sumexp", "lse", loss, "dlogits"])
+        row = merge_rows(sch, [name for name, _ in reversed(passes)] + ["lse", loss], then=map_row)
         if knob_value(sch, knobs.parallel):  # one choice per shape: safe to branch on
             sch.parallel(row)
         # 3b. The partials at the row.

@@ -7,7 +7,8 @@ LLVM vectorizes), for any shape on the CPU.
 1. The per-row epilogue is the anchor; its row loop runs in parallel.
 2. ``row_max`` and ``row_sumexp`` are computed per row into ``lanes`` float32
    accumulators (rfactor over the innermost split), vectorized, then summed
-   across lanes.
+   across lanes. A row of V not a multiple of 4 does this over its body (the
+   first V - V mod 16 classes) and reduces its tail apart (``poly_exp_body``).
 3. The batch sum runs serially over rows (B values, negligible next to B*V).
 
 Below ``SERIAL_BELOW`` logits the rows run on one core (``parallel=0``): the
@@ -31,7 +32,7 @@ from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import knob_value
 
-from .common import default_lanes, lane_choices, lane_partials, parallel_choices, vectorize_partials
+from .common import default_lanes, lane_partials, parallel_choices, row_lane_choices, row_passes, vectorize_partials
 
 
 @dataclass(frozen=True)
@@ -49,24 +50,26 @@ class CrossEntropyParallel(Candidate):
     knobs = RowsParallelKnobs
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
-        return {"lanes": lane_choices(problem.classes), "parallel": parallel_choices(problem.numel)}
+        return {"lanes": row_lane_choices(problem.classes), "parallel": parallel_choices(problem.numel)}
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> RowsParallelKnobs:
-        lanes = lane_choices(problem.classes)
+        lanes = row_lane_choices(problem.classes)
         return RowsParallelKnobs(lanes=default_lanes(lanes),
                                  parallel=parallel_choices(problem.numel)[0])
 
     def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:
-        names = ("row_sumexp", "row_max")
+        passes = row_passes(sch, problem)
         # 2a. Each row pass into vector-lane partials (before the loop nests move).
-        partials = [lane_partials(sch, sch.get_sblock(name), knobs.lanes) for name in names]
+        partials = {name: lane_partials(sch, sch.get_sblock(name), knobs.lanes) for name, lanes in passes if lanes}
         # 1. Rows in parallel, anchored at the per-row epilogue.
         epilogue = sch.get_sblock("loss" if problem.reduction == "none" else "row_loss")
         (row,) = sch.get_loops(epilogue)
         if knob_value(sch, knobs.parallel):  # one choice per shape: safe to branch on
             sch.parallel(row)
-        # 2b. Both passes and their partials at the row, consumers first.
-        for name, partial in zip(names, partials):
+        # 2b. Both passes (a ragged row's body, tail and join) and their partials at
+        # the row, consumers first.
+        for name, _ in passes:
             sch.compute_at(sch.get_sblock(name), row, preserve_unit_loops=True)
-            sch.compute_at(partial, row, preserve_unit_loops=True)
-            vectorize_partials(sch, partial, 1)
+            if name in partials:
+                sch.compute_at(partials[name], row, preserve_unit_loops=True)
+                vectorize_partials(sch, partials[name], 1)
