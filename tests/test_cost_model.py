@@ -14,6 +14,7 @@ import math
 import numpy as np
 import pytest
 import tvm
+import xgboost as xgb
 
 import tvm_fusion as tf
 from helpers import assert_close, random_floats, rng
@@ -346,3 +347,24 @@ def test_a_tune_is_seeded_with_the_models_fastest_predicted_configurations(tmp_p
     llvm = tvm.target.Target("llvm")
     assert tuner.measure_seeds(tf.make_problem("cross_entropy", (64, 1000), "float32"), llvm,
                                tuner.InProcessBuilder(), Runner(), database) == 0
+
+
+def test_the_ranking_target_is_relative_to_its_problem_and_the_scale_keeps_seconds(rows):
+    """The ranking regressor learns log(seconds / bytes) less its problem's mean; the
+    scale regressor adds one number per problem, so it changes no order, and the sum
+    comes back as seconds near the timed ones on a trained shape."""
+    relative, problems, means = cost_model._split_labels(rows)
+    for problem, mean in zip(problems, means):
+        at = [i for i, r in enumerate(rows) if r.problem == problem]
+        assert abs(relative[at].mean()) < 1e-9
+        assert mean == pytest.approx(np.mean([math.log(rows[i].seconds / problem.bytes_moved) for i in at]))
+    model = cost_model.CostModel.train(rows, CUDA)
+    test = [r for r in rows if r.problem == TUNED]
+    configs = [(r.candidate, r.knobs) for r in test]
+    predicted = model.predict_many(TUNED, configs)
+    schema, booster = model.models[TUNED.op]
+    features = np.array([schema.row(TUNED, c, k) for c, k in configs])
+    order = np.argsort(booster.predict(xgb.DMatrix(features, feature_names=schema.names)), kind="stable")
+    assert list(np.argsort(predicted, kind="stable")) == list(order)
+    measured = np.array([r.seconds for r in test])
+    assert 0.5 < math.exp(np.mean(np.log(predicted / measured))) < 2.0  # the scale on a shape it learned
