@@ -142,4 +142,6 @@ def merge_rows(sch: s_tir.Schedule, names: list[str], then: LoopRV | None = None
     the mean's denominator, a block outside. Merging the sibling row loops needs none
     of that."""
     loops = [sch.get_loops(sch.get_sblock(name))[0] for name in names]
-    return sch.merge(*loops, *([then] if then is not None else []))
+    if then is not None:
+        loops.append(then)
+    return sch.merge(*loops)

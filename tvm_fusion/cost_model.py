@@ -219,13 +219,12 @@ class Schema:
         return [shape[n] for n in self.problem_features]
 
     def row(self, problem: Problem, candidate: str, knobs: Knobs) -> list[float]:
-        shape = problem_features(problem)
         values = knobs.as_dict()
         extent = _log2(reduction_extent(problem))
         lanes = sum(_log2(values[k]) for k in PARALLEL_KNOBS if k in values)
         blocks, block_threads = launch_shape(problem, candidate, values)
         sms = self.sms
-        return ([shape[n] for n in self.problem_features]
+        return (self.problem_row(problem)
                 + [float(candidate == c) for c in self.candidates]
                 + [float(values.get(k, 0)) for k in self.knobs]
                 + [extent - _log2(values[k]) if k in values else 0.0 for k in self.knobs]

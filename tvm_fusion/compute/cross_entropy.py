@@ -126,7 +126,7 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
             return (weight[kk] * x(i, kk), weight[kk])
         return (x(i, kk),)
 
-    n_extra = (2 if weighted else 1) if smoothing else 0
+    n_extra = smoothing_sums(problem)
     if algorithm == "aligned_online":
         return aligned_row_statistics(problem, logits, weight, idx)
     if algorithm == "padded_three_pass":
@@ -142,27 +142,27 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
     def as_list(stats):
         return list(stats) if isinstance(stats, (list, tuple)) else [stats]
 
-    body = poly_exp_body(problem.classes) if algorithm == "three_pass_poly_exp" else problem.classes
-    if algorithm in ("three_pass", "three_pass_poly_exp") and body < problem.classes:
-        # The row's body (a multiple of 16 classes: vector lanes split it evenly) and
-        # its tail (under 16 classes), reduced apart, then joined.
-        kb = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, body)), name="k")
-        kt = te.reduce_axis((tirx.IntImm(idx, body), classes), name="kt")
-        max_body = te.compute(rows, lambda i: te.max(x(i, kb), axis=kb), name="row_max_body")
-        row_max = te.compute(rows, lambda i: te.max(tirx.max(x(i, kt), max_body[i]), axis=kt), name="row_max")
-        kb2 = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, body)), name="k2")
-        kt2 = te.reduce_axis((tirx.IntImm(idx, body), classes), name="kt2")
-        body_stats = as_list(te.compute(rows, lambda i: sums(i, kb2), name="row_sumexp_body"))
-        tail_stats = as_list(te.compute(rows, lambda i: sums(i, kt2), name="row_sumexp_tail"))
-        def join(b, t, name):
-            return te.compute(rows, lambda i: b[i] + t[i], name=name)
+    if algorithm in ("three_pass", "three_pass_poly_exp"):
+        body = poly_exp_body(problem.classes) if algorithm == "three_pass_poly_exp" else problem.classes
+        if body == problem.classes:
+            row_max = te.compute(rows, lambda i: te.max(x(i, k), axis=k), name="row_max")
+            k2 = te.reduce_axis((tirx.IntImm(idx, 0), classes), name="k2")
+            row_sumexp, *extra = as_list(te.compute(rows, lambda i: sums(i, k2), name="row_sumexp"))
+        else:  # the row's body (vector lanes split it evenly) and its tail, reduced apart, then joined
+            kb = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, body)), name="k")
+            kt = te.reduce_axis((tirx.IntImm(idx, body), classes), name="kt")
+            max_body = te.compute(rows, lambda i: te.max(x(i, kb), axis=kb), name="row_max_body")
+            row_max = te.compute(rows, lambda i: te.max(tirx.max(x(i, kt), max_body[i]), axis=kt), name="row_max")
+            kb2 = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, body)), name="k2")
+            kt2 = te.reduce_axis((tirx.IntImm(idx, body), classes), name="kt2")
+            body_stats = as_list(te.compute(rows, lambda i: sums(i, kb2), name="row_sumexp_body"))
+            tail_stats = as_list(te.compute(rows, lambda i: sums(i, kt2), name="row_sumexp_tail"))
 
-        row_sumexp, *extra = [join(b, t, name) for b, t, name in zip(body_stats, tail_stats, poly_exp_joins(problem))]
-    elif algorithm in ("three_pass", "three_pass_poly_exp"):
-        row_max = te.compute(rows, lambda i: te.max(x(i, k), axis=k), name="row_max")
-        k2 = te.reduce_axis((tirx.IntImm(idx, 0), classes), name="k2")
-        stats = as_list(te.compute(rows, lambda i: sums(i, k2), name="row_sumexp"))
-        row_sumexp, extra = stats[0], stats[1:]
+            def join(b, t, name):
+                return te.compute(rows, lambda i: b[i] + t[i], name=name)
+
+            row_sumexp, *extra = [join(b, t, name)
+                                  for b, t, name in zip(body_stats, tail_stats, poly_exp_joins(problem))]
     else:
         # Online over 16-byte chunks: the chunk's max and its exps first (in
         # registers), then one rescale per chunk: 1 + 2/chunk exp per element.
@@ -231,8 +231,13 @@ def poly_exp_body(classes: int) -> int:
 def poly_exp_joins(problem) -> list[str]:
     """The blocks that join a ragged row's body and tail sums (``poly_exp_body``):
     ``row_sumexp`` and one per smoothing sum. Maps a schedule inlines."""
-    extra = (2 if problem.has_weight else 1) if problem.label_smoothing > 0.0 else 0
-    return ["row_sumexp"] + [f"row_sumexp_extra{n}" for n in range(1, extra + 1)]
+    return ["row_sumexp"] + [f"row_sumexp_extra{n}" for n in range(1, smoothing_sums(problem) + 1)]
+
+
+def smoothing_sums(problem) -> int:
+    """The row sums label smoothing adds beside the sum of exp: sum_k w_k x_ik and
+    sum_k w_k with weight, sum_k x_ik without, none without smoothing."""
+    return (2 if problem.has_weight else 1) if problem.label_smoothing > 0.0 else 0
 
 
 def padded_granules(problem) -> tuple[int, int]:
@@ -312,7 +317,7 @@ def aligned_row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None,
     edge = c + 2 * c - 2  # the head's granule, then at most 2c - 2 tail elements
     smoothing = problem.label_smoothing > 0.0
     weighted = problem.has_weight
-    n_extra = (2 if weighted else 1) if smoothing else 0
+    n_extra = smoothing_sums(problem)
     C = tirx.IntImm(idx, c)
 
     def x(i, k):
