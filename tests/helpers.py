@@ -177,8 +177,9 @@ def check_channel_block_source(kernel, problem, knobs, output: str, shuffles: bo
 
     source = kernel.device_source()
     assert ("__shfl_down_sync" in source) == shuffles and "atomic" not in source.lower()
-    if not kernel.candidate.endswith(("split_plane", "channels_last", "small_plane")):  # partials in a workspace
-        assert kernel_params(source) <= {name for name, _, _ in kernel.params}
+    # Partials (split_plane, channels_last, small_plane) only in the function's workspace.
+    assert kernel_params(source) <= {name for name, _, _ in kernel.params + kernel.workspace}
+    assert "TVMBackendAllocWorkspace" not in kernel.executable.mod.inspect_source()
     assert not barriers_under_a_guard(source) and not shared_stores_by_every_thread(source)
     if knobs.vector * DTYPE_BYTES[problem.dtype] == 16:
         assert "*(uint4*)(x_ptr" in source and f"*(uint4*)({output}_ptr" in source, knobs

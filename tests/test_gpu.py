@@ -408,6 +408,62 @@ def test_mean_row_scratch_is_per_stream_and_every_loss_is_the_callers():
 
 
 @pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("call", ["bn_stats", "batch_norm"])
+def test_split_plane_partials_are_per_stream_and_per_captured_graph(call):
+    """A split-plane kernel's cross-block partials are a workspace its launcher
+    passes (kernel.compiled_form), not TVM's pool: two streams at once, and a graph
+    replayed between eager calls, each keep their own right answer."""
+    from tvm_fusion.torch import batch_norm
+
+    shape = (32, 64, 112, 112)  # 64 channels of 12544: each plane split over blocks
+    op = "bn_stats" if call == "bn_stats" else "bn_forward"
+    options = {} if call == "bn_stats" else {"affine": False, "track_running": False}
+    kernel = tf.build(op, shape, "float16", **options)
+    assert kernel.workspace and "TVMBackendAllocWorkspace" not in kernel.executable.mod.inspect_source(), kernel
+
+    def run(x):
+        if call == "bn_stats":
+            return tf.bn_stats(x)
+        return (batch_norm(x, None, None, training=True),)
+
+    def reference(x):
+        x64 = x.double()
+        if call == "bn_stats":
+            return x64.mean((0, 2, 3)).float(), x64.var((0, 2, 3), unbiased=False).float()
+        return (torch.nn.functional.batch_norm(x64, None, None, training=True).half(),)
+
+    def check(got, want):
+        for g, w in zip(got, want):
+            tol = 2e-3 if g.dtype == torch.float16 else 1e-4
+            torch.testing.assert_close(g.float(), w.float(), rtol=tol, atol=tol)
+
+    gen = torch.Generator(device="cuda").manual_seed(31)
+    xs = [(torch.randn(shape, device="cuda", generator=gen) * (k + 1) + 3 * k).half() for k in range(2)]
+    refs = [reference(x) for x in xs]
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    torch.cuda.synchronize()
+    results = [[], []]
+    for _ in range(10):
+        for k, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                results[k].append(run(xs[k]))
+    torch.cuda.synchronize()
+    for k in range(2):
+        for got in results[k]:
+            check(got, refs[k])
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = run(xs[0])
+    eager = run(xs[1])
+    graph.replay()
+    again = run(xs[1])
+    torch.cuda.synchronize()
+    check(captured, refs[0])
+    check(eager, refs[1])
+    check(again, refs[1])
+
+
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
 def test_bad_target_on_a_side_stream_is_flagged_in_pinned_memory():
     """The kernel writes its flag straight into pinned host memory: a bad target
     on a side stream is found once that stream is done, with no copy or sync."""

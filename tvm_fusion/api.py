@@ -68,12 +68,12 @@ def _bn_stats_launcher(x: Any, layout: Any) -> Callable[[Any], tuple[Any, Any]]:
     empty = kind.allocator((problem.channels,), "float32")
     adapt = kind.adapter(arg, arg.shape if as_called else problem.shape)
 
-    if kernel.counted:  # a merged kernel's launch counter goes last (single_launch)
-        counter = kind.scratch([], counter=True)
+    if kernel.counted or kernel.workspace:  # then the workspace and a merged kernel's counter (single_launch)
+        scratch = kind.scratch([w[1:] for w in kernel.workspace], counter=kernel.counted)
 
         def launch(x: Any) -> tuple[Any, Any]:
             mean, var = empty(), empty()
-            func(adapt(x), mean, var, *counter())
+            func(adapt(x), mean, var, *scratch())
             return mean, var
     else:
         def launch(x: Any) -> tuple[Any, Any]:
@@ -169,10 +169,12 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
     # are scratch, the loss (0-d for a sum or mean) is the caller's, and the flag
     # goes where the check reads it.
     (*_, (_, loss_shape, _), (_, flag_shape, flag_dtype)) = kernel.outputs
-    # Scratch: the row losses of a sum or mean, and a merged kernel's launch counter
-    # (single_launch), which goes last.
+    # Scratch: the row losses of a sum or mean; then what goes after the outputs, the
+    # workspace (a split batch stage's partials, kernel.compiled_form) and a merged
+    # kernel's launch counter (single_launch).
     rows = len(kernel.outputs) == 3
-    scratch = kind.scratch([kernel.outputs[0][1:]] if rows else [], counter=kernel.counted)
+    scratch = kind.scratch([kernel.outputs[0][1:]] * rows + [w[1:] for w in kernel.workspace],
+                           counter=kernel.counted)
     new_loss = kind.allocator(loss_shape, "float32")
     new_flag = kind.allocator(flag_shape, flag_dtype)
     inputs = ce_inputs(kind, la, ta, wa, batch, classes)
@@ -180,23 +182,23 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
     deferred = check_targets and torch_cuda
     device_id = la.device_id  # not la itself: the launcher must not keep the first call's arrays alive
     sink = target_check.sink(device_id) if torch_cuda and not check_targets else None
-    flag_at = -2 if kernel.counted else -1
+    flag_at = -1 - len(kernel.workspace) - kernel.counted
 
     def launch(logits: Any, target: Any, weight: Any) -> Any:
         args = inputs(logits, target, weight)
         tail = scratch()
         if rows:
             args.append(tail[0])
-        counter = tail[rows:]
+        after = tail[rows:]
         loss = new_loss()
         if sink is not None:
-            func(*args, loss, sink, *counter)
+            func(*args, loss, sink, *after)
         elif deferred:
-            args += [loss, None, *counter]
+            args += [loss, None, *after]
             target_check.launch_checked(func, args, flag_at, device_id, batch, classes, ignore_index, target)
         else:  # the host has the flag at once (a sync for TVM's CUDA tensors)
             flag = new_flag()
-            func(*args, loss, flag, *counter)
+            func(*args, loss, flag, *after)
             if check_targets:
                 row = kind.read_int(flag)
                 if row < batch:

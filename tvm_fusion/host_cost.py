@@ -70,13 +70,14 @@ def _empty_kernels(device: str):
 
 
 def _prepared(kernel: Any, inputs: list[Any], device: Any) -> list[Any]:
-    """``kernel.packed``'s arguments: ``inputs``, fresh torch outputs, and a zeroed
-    launch counter if the kernel takes one."""
+    """``kernel.packed``'s arguments: ``inputs``, fresh torch outputs, its workspace,
+    and a zeroed launch counter if the kernel takes one."""
     import torch
 
     outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, shape, dtype in kernel.outputs]
+    workspace = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, shape, dtype in kernel.workspace]
     counter = [torch.zeros(1, dtype=torch.int32, device=device)] if kernel.counted else []
-    return [*inputs, *outs, *counter]
+    return [*inputs, *outs, *workspace, *counter]
 
 
 def breakdown(device: str = "cuda") -> dict[str, float]:

@@ -45,22 +45,29 @@ class Kernel:
     def __post_init__(self) -> None:
         self.packed = self.executable["main"]  # the compiled function
         # (name, shape, dtype) of every parameter of the compiled function, inputs
-        # first then outputs ("loss_0d" named "loss"): read once, not per call. A
-        # launch counter (single_launch) is not among them: ``counted`` says the
-        # packed function takes one last, and ``func`` passes it.
+        # first then outputs ("loss_0d" named "loss"): read once, not per call. The
+        # workspace (compiled_form) and a launch counter (single_launch) are not among
+        # them: ``workspace`` holds the (name, shape, dtype) of the buffers the packed
+        # function takes after the outputs, ``counted`` says it takes a counter last,
+        # and ``func`` passes both.
         params = [
-            (p.name.removesuffix(SCALAR_SUFFIX).removesuffix(AS_CALLED_SUFFIX), tuple(int(d) for d in p.shape),
-             str(p.dtype))
-            for p in (self.compiled or self.mod)["main"].params
+            (b.name.removesuffix(SCALAR_SUFFIX).removesuffix(AS_CALLED_SUFFIX), tuple(int(d) for d in b.shape),
+             str(b.dtype))
+            for b in (self.compiled or self.mod)["main"].params
         ]
         self.counted = bool(params) and params[-1][0] == single_launch.COUNTER
-        self.params = params[:-1] if self.counted else params
-        self.func = self._with_counter if self.counted else self.packed  # inputs, then outputs
+        if self.counted:
+            params = params[:-1]
+        self.workspace = [(name.removesuffix(WORKSPACE_SUFFIX), shape, dtype) for name, shape, dtype in params
+                          if name.endswith(WORKSPACE_SUFFIX)]
+        self.params = [p for p in params if not p[0].endswith(WORKSPACE_SUFFIX)]
+        self.func = self._with_scratch if self.counted or self.workspace else self.packed  # inputs, then outputs
+        self._scratch = single_launch.scratch_for(self.workspace, self.counted)
         self.num_inputs = self.problem.num_inputs
         self.outputs = self.params[self.num_inputs :]
 
-    def _with_counter(self, *tensors: Any) -> None:
-        self.packed(*tensors, single_launch.counter_like(tensors[0]))
+    def _with_scratch(self, *tensors: Any) -> None:
+        self.packed(*tensors, *self._scratch(tensors[0]))
 
     def __call__(self, *tensors: Any) -> None:
         self.func(*tensors)
@@ -92,16 +99,24 @@ _BUFFER_PARAM = re.compile(r'T\.Buffer\((\((?:[^()]|\([^()]*\))*\)), ("\w+")\)')
 # The outer name of a parameter taken in another shape than the body's: a scalar
 # (``with_param_alignment``'s scalars) and an input in its caller's shape.
 SCALAR_SUFFIX, AS_CALLED_SUFFIX = "_0d", "_as_called"
+# The parameter name of a global buffer the schedule allocated (``compiled_form``).
+WORKSPACE_SUFFIX = "_workspace"
+# A buffer the schedule allocates at the function's root, with its scope if any.
+_ROOT_ALLOC = re.compile(r'^(\s*)(\w+) = T\.sblock_alloc_buffer\((\((?:[^()]|\([^()]*\))*\))(?:, ("\w+"))?'
+                         r'(?:, scope="(\w+)")?\)$')
 
 
 def with_param_alignment(mod: tvm.IRModule, alignment: int = PARAM_ALIGNMENT,
                          scalars: tuple[str, ...] = (),
-                         shapes: dict[str, tuple[int, ...]] | None = None) -> tvm.IRModule:
+                         shapes: dict[str, tuple[int, ...]] | None = None,
+                         workspace: bool = False) -> tvm.IRModule:
     """``mod`` with every parameter buffer of ``main`` declared ``alignment``-byte
     aligned; each parameter named in ``scalars`` whose shape is (1,) taken as a 0-d
     tensor, and each named in ``shapes`` taken in that shape (the same number of
     elements: an input as its caller holds it, so a call needs no view). The body
-    still sees its own shape over the same data.
+    still sees its own shape over the same data. With ``workspace``, every global
+    buffer allocated at the function's root (a split reduction's cross-block
+    partials) becomes a parameter after the outputs, ``<name>_workspace``.
 
     TVM 0.27's Python API cannot swap a PrimFunc's parameter buffers (the body refers
     to them by identity, and ``specialize`` refuses another alignment), so the
@@ -137,19 +152,58 @@ def with_param_alignment(mod: tvm.IRModule, alignment: int = PARAM_ALIGNMENT,
                             f"align={alignment})" + lines[i][param.end() :])
                 lines.insert(first, f"{body_indent}{name} = T.decl_buffer({shape}, {dtype}, "
                                     f"data={name}{suffix}.data, align={alignment})")
+            if workspace:
+                lines[i] = _with_workspace_params(lines, i, alignment)
             break
     else:  # pragma: no cover - every module here has a main
         raise ValueError("with_param_alignment: the module has no main")
     return tvm.script.from_source("\n".join(lines))
 
 
+def _with_workspace_params(lines: list[str], at: int, alignment: int) -> str:
+    """``lines[at]``, the signature of ``main``, with a parameter for each global
+    buffer allocated at the root of the body that follows; each such allocation in
+    ``lines`` becomes a declaration over that parameter's data."""
+    signature, params = lines[at], []
+    for j in range(at + 1, len(lines)):
+        line = lines[j]
+        if line.lstrip().startswith(("T.func_attr(", "#", "with T.sblock(\"root\")")) or "T.decl_buffer(" in line:
+            continue
+        found = _ROOT_ALLOC.match(line)
+        if found is None:
+            if "T.sblock_alloc_buffer(" in line:
+                continue  # another root allocation, in a form not parsed here: on chip, or kept as it is
+            break
+        indent, name, shape, dtype, scope = found.groups()
+        if scope not in (None, "global"):
+            continue
+        dtype = dtype or '"float32"'
+        params.append(f"{name}{WORKSPACE_SUFFIX}: T.Buffer({shape}, {dtype}, align={alignment})")
+        lines[j] = (f"{indent}{name} = T.decl_buffer({shape}, {dtype}, data={name}{WORKSPACE_SUFFIX}.data, "
+                    f"align={alignment})")
+    if not params:
+        return signature
+    head, tail = signature.rsplit(")", 1)  # "def main(...)" then the return annotation and ":"
+    return f"{head}, {', '.join(params)}){tail}"
+
+
 def compiled_form(mod: tvm.IRModule, problem: Problem,
-                  input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = ()) -> tvm.IRModule:
+                  input_shapes: tuple[tuple[str, tuple[int, ...]], ...] = (),
+                  workspace: bool = False) -> tvm.IRModule:
     """The module as :func:`build_kernel` compiles it: 16-byte aligned parameters,
-    a sum's or mean's loss (and upstream gradient) 0-d, and each input named in
-    ``input_shapes`` taken in the caller's shape."""
+    a sum's or mean's loss (and upstream gradient) 0-d, each input named in
+    ``input_shapes`` taken in the caller's shape, and with ``workspace`` (CUDA) each
+    global buffer the schedule allocates a parameter after the outputs.
+
+    Why ``workspace``: TVM allocates such a buffer per call from its own pool
+    (``TVMBackendAllocWorkspace`` in the host code), a pool per host thread, which
+    knows nothing of torch's streams: two streams' calls shared one set of partials,
+    a CUDA graph captured the pool's pointer, and the pool freed its memory at exit
+    after the CUDA runtime had gone (``cudaErrorCudartUnloading``). As parameters,
+    the launchers pass buffers of their own per stream (``arrays.Kind.scratch``)."""
     reduced = getattr(problem, "reduction", "none") != "none"
-    return with_param_alignment(mod, PARAM_ALIGNMENT, SCALAR_PARAMS if reduced else (), dict(input_shapes))
+    return with_param_alignment(mod, PARAM_ALIGNMENT, SCALAR_PARAMS if reduced else (), dict(input_shapes),
+                                workspace=workspace)
 
 
 _CACHE: dict[tuple, Kernel] = {}
@@ -197,7 +251,7 @@ def build_kernel(
         sch, knobs = schedule_for(problem, target, candidate, knobs)
         mod = sch.mod
     with target:
-        compiled = compiled_form(mod, problem, input_shapes)
+        compiled = compiled_form(mod, problem, input_shapes, workspace=target.kind.name == "cuda")
         pipeline = ALIASED_PIPELINE if getattr(problem, "in_place", False) else "default"
         if target.kind.name == "cuda" and problem.op in SINGLE_LAUNCH_OPS and single_launch.ENABLED:
             compiled, pipeline = single_launch.with_launch_counter(compiled), single_launch.PIPELINE
