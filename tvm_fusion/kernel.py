@@ -13,6 +13,7 @@ AVX-512 loads, so every numpy array (malloc gives 16) had to be copied first.
 from __future__ import annotations
 
 import math
+import os
 import re
 import threading
 from dataclasses import dataclass, field
@@ -88,6 +89,9 @@ class Kernel:
 
 
 PARAM_ALIGNMENT = 16
+# TVM_FUSION_WORKSPACE_PARAMS=0 leaves a CUDA kernel's global buffers to TVM's
+# workspace pool, as before compiled_form made them parameters (an A/B switch).
+WORKSPACE_PARAMS = os.environ.get("TVM_FUSION_WORKSPACE_PARAMS", "1") != "0"
 # Parameters that take a 0-d tensor: a reduced loss (and its upstream gradient) is a
 # scalar, as torch's is; a (1,) parameter would cost every call a view (2.3 us of
 # host time on the H200's host, more than the rest of the argument handling).
@@ -243,7 +247,7 @@ def build_kernel(
     # single_launch.ENABLED is in the key: a build with the merge switched off (an
     # A/B in one process) is another kernel.
     cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm_ffi.structural_hash(mod),
-                 input_shapes, single_launch.ENABLED)
+                 input_shapes, single_launch.ENABLED, WORKSPACE_PARAMS)
     with _LOCK:
         if cache_key in _CACHE:
             return _CACHE[cache_key]
@@ -251,7 +255,7 @@ def build_kernel(
         sch, knobs = schedule_for(problem, target, candidate, knobs)
         mod = sch.mod
     with target:
-        compiled = compiled_form(mod, problem, input_shapes, workspace=target.kind.name == "cuda")
+        compiled = compiled_form(mod, problem, input_shapes, workspace=WORKSPACE_PARAMS and target.kind.name == "cuda")
         pipeline = ALIASED_PIPELINE if getattr(problem, "in_place", False) else "default"
         if target.kind.name == "cuda" and problem.op in SINGLE_LAUNCH_OPS and single_launch.ENABLED:
             compiled, pipeline = single_launch.with_launch_counter(compiled), single_launch.PIPELINE
