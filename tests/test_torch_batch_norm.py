@@ -297,6 +297,39 @@ def train_losses(model, steps, device, lr=0.1):
     return losses
 
 
+def batch_norm_dx_gaps(model, step) -> dict[str, float]:
+    """Run ``step`` (a forward and backward of ``model``) and return, for each
+    BatchNorm submodule, the relative L2 gap of the gradient it passed to its input
+    from float64 torch's for the same input, parameters and upstream gradient: each
+    layer's backward checked on its own, where a whole model's gradient also carries
+    every discontinuity (a ReLU's, a max-pool's) that the BatchNorms' rounding moved."""
+    seen, handles = {}, []
+
+    def capture(name, inp, out):
+        seen[name] = [inp.detach(), None, None]
+        inp.register_hook(lambda g: seen[name].__setitem__(1, g.detach()))
+        out.register_hook(lambda g: seen[name].__setitem__(2, g.detach()))
+
+    norms = {name: m for name, m in model.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)}
+    for name, m in norms.items():
+        handles.append(m.register_forward_hook(lambda m, args, out, name=name: capture(name, args[0], out)))
+    try:
+        step()
+    finally:
+        for handle in handles:
+            handle.remove()
+    gaps = {}
+    for name, (inp, dx, dy) in seen.items():
+        m = norms[name]
+        x64 = inp.double().requires_grad_()
+        y = F.batch_norm(x64, None, None, None if m.weight is None else m.weight.detach().double(),
+                         None if m.bias is None else m.bias.detach().double(), True, 0.0, m.eps)
+        (expected,) = torch.autograd.grad(y, (x64,), dy.double())
+        gaps[name] = float((dx.double() - expected).norm() / expected.norm())
+    assert set(gaps) == set(norms), "a BatchNorm ran no forward or no backward"
+    return gaps
+
+
 # 20 SGD steps (lr 0.1, momentum 0.9) of the small ResNet in float32 on one batch
 # (the loss falls from about 2.4 to 0.1-0.6): the patched model's kernels sum in
 # another order than torch's, so the two drift apart by rounding. Over 12 initial
@@ -326,6 +359,12 @@ def test_patch_trains_the_small_resnet_as_torch_does(device):
         assert type(swap.replacement) is getattr(tft, type(swap.original).__name__)
         assert swap.replacement.weight is swap.original.weight
         assert swap.replacement.running_var is swap.original.running_var
+    from tvm_fusion.relax.model import example_inputs
+
+    x, target = (t.to(device) for t in example_inputs(batch=8, image=8))
+    probe = copy.deepcopy(model)  # a step of its own would move the model's running statistics
+    gaps = batch_norm_dx_gaps(probe, lambda: probe(x, target)[1].backward())
+    assert max(gaps.values()) <= 1e-5, gaps
     losses, reference_losses = train_losses(model, 20, device), train_losses(reference, 20, device)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=LOSS_RTOL, atol=1e-5)
     assert reference_losses[-1] < 0.5 * reference_losses[0]  # it trained
@@ -420,13 +459,15 @@ def test_patch_trains_torchvisions_resnet18_as_torch_does(device, monkeypatch):
     - along torch's trajectory (any seed): before each step the patched model takes the
       reference's parameters and running statistics, so one step's rounding is measured
       without the steps before it. Every loss within rtol 1e-4; the gradients' gap, as a
-      fraction of their norm, under 1e-4 in the median step, and over 1e-3 only in a
-      step where the stem's max-pool chose another element of some window than
-      torch's model did (a near-tie, which routes that window's gradient elsewhere).
-      On the CPU over 3 seeds the median was 2-3e-6 and the largest 4.2e-3. On the
-      H200 (bdfefa1) seed 2268653145 gave 2.3e-2 at step 0 in conv1.weight, with the
-      BatchNorm partials in TVM's pool as before and as workspace parameters alike,
-      every other step 4e-5 or less; torch's model against a copy of itself, 3e-7;
+      fraction of their norm, under 1e-4 in the median step; and in every step each
+      BatchNorm's input gradient within 1e-5 of float64 torch's from the same input and
+      upstream gradient (``batch_norm_dx_gaps``). A bound on every step's whole-model
+      gap failed on the H200 (bdfefa1, seed 2268653145: 2.3e-2 at step 0 in
+      conv1.weight, with the BatchNorm partials in TVM's pool as before and as
+      workspace parameters alike; torch's model against a copy of itself 3e-7), while
+      each of the 20 BatchNorms' input gradients there was within 1.3e-7 of float64
+      torch's in four runs: the gap is the rounding moved across some discontinuity
+      (not the stem's max-pool, whose choices were the same), not a wrong gradient;
     - free-running, on one fixed seed: the two loss curves within 1e-3 of the first loss.
       The free run is chaotic, its drift heavy-tailed over seeds as the small ResNet's
       on the CPU: on the H200 (float32 convolutions) it was 5.3e-5 of the first loss at
@@ -447,35 +488,30 @@ def test_patch_trains_torchvisions_resnet18_as_torch_does(device, monkeypatch):
         loss.backward()
         return loss.detach(), [p.grad.detach().clone() for p in m.parameters()]
 
-    def pooled_choices(m):
-        """The element each window of the stem's max-pool chose in the last forward."""
-        pool = m.maxpool
-        return F.max_pool2d(pool.seen, pool.kernel_size, pool.stride, pool.padding, return_indices=True)[1]
-
     seeded()
     model = torchvision.models.resnet18(num_classes=10).to(device)
     reference = copy.deepcopy(model)
     swaps = tft.patch(model)
     assert len(swaps) == 20  # every BatchNorm2d of ResNet-18
-    for m in (model, reference):
-        m.maxpool.register_forward_pre_hook(lambda pool, args: setattr(pool, "seen", args[0].detach()))
+    for m in model.modules():  # each BatchNorm's output gradient is read before the ReLU's mask
+        if isinstance(m, nn.ReLU):
+            m.inplace = False
     x, target = torch.randn(8, 3, 32, 32, device=device), torch.randint(0, 10, (8,), device=device)
     opt = torch.optim.SGD(reference.parameters(), lr=0.01, momentum=0.9)
-    gaps, flips = [], []
+    gaps = []
     for step in range(20):
         model.load_state_dict(reference.state_dict())
+        layers = batch_norm_dx_gaps(model, lambda: loss_and_grads(model, x, target))
+        worst = max(layers, key=layers.get)
+        assert layers[worst] <= 1e-5, f"step {step}: {worst} {layers[worst]:.2e}"
         loss, grads = loss_and_grads(model, x, target)
-        choices = pooled_choices(model)
         ref_loss, ref_grads = loss_and_grads(reference, x, target)
-        flips.append(int((choices != pooled_choices(reference)).sum()))
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-6, msg=f"step {step}")
         total = math.sqrt(sum(float(g.double().square().sum()) for g in ref_grads))
         gaps.append(math.sqrt(sum(float((a.double() - b.double()).square().sum())
                                   for a, b in zip(grads, ref_grads))) / total)
         opt.step()
-    steps = [f"{g:.1e} ({f} windows chose otherwise)" for g, f in zip(gaps, flips)]
-    assert sorted(gaps)[len(gaps) // 2] <= 1e-4, steps
-    assert all(g <= 1e-3 or f > 0 for g, f in zip(gaps, flips)), steps
+    assert sorted(gaps)[len(gaps) // 2] <= 1e-4, [f"{g:.1e}" for g in gaps]
 
     torch.manual_seed(int(os.environ.get("TVM_FUSION_TEST_SEED", TRAINING_SEED)))
     model = torchvision.models.resnet18(num_classes=10).to(device)
