@@ -297,9 +297,9 @@ def train_losses(model, steps, device, lr=0.1):
     return losses
 
 
-def batch_norm_dx_gaps(model, step) -> dict[str, float]:
-    """Run ``step`` (a forward and backward of ``model``) and return, for each
-    BatchNorm submodule, the relative L2 gap of the gradient it passed to its input
+def batch_norm_dx_gaps(model, step) -> tuple:
+    """Run ``step`` (a forward and backward of ``model``) and return what it returned
+    and, for each BatchNorm submodule, the relative L2 gap of the gradient it passed to its input
     from float64 torch's for the same input, parameters and upstream gradient: each
     layer's backward checked on its own, where a whole model's gradient also carries
     every discontinuity (a ReLU's, a max-pool's) that the BatchNorms' rounding moved."""
@@ -314,7 +314,7 @@ def batch_norm_dx_gaps(model, step) -> dict[str, float]:
     for name, m in norms.items():
         handles.append(m.register_forward_hook(lambda m, args, out, name=name: capture(name, args[0], out)))
     try:
-        step()
+        result = step()
     finally:
         for handle in handles:
             handle.remove()
@@ -327,7 +327,7 @@ def batch_norm_dx_gaps(model, step) -> dict[str, float]:
         (expected,) = torch.autograd.grad(y, (x64,), dy.double())
         gaps[name] = float((dx.double() - expected).norm() / expected.norm())
     assert set(gaps) == set(norms), "a BatchNorm ran no forward or no backward"
-    return gaps
+    return result, gaps
 
 
 # 20 SGD steps (lr 0.1, momentum 0.9) of the small ResNet in float32 on one batch
@@ -363,7 +363,7 @@ def test_patch_trains_the_small_resnet_as_torch_does(device):
 
     x, target = (t.to(device) for t in example_inputs(batch=8, image=8))
     probe = copy.deepcopy(model)  # a step of its own would move the model's running statistics
-    gaps = batch_norm_dx_gaps(probe, lambda: probe(x, target)[1].backward())
+    _, gaps = batch_norm_dx_gaps(probe, lambda: probe(x, target)[1].backward())
     assert max(gaps.values()) <= 1e-5, gaps
     losses, reference_losses = train_losses(model, 20, device), train_losses(reference, 20, device)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference_losses), rtol=LOSS_RTOL, atol=1e-5)
@@ -501,10 +501,9 @@ def test_patch_trains_torchvisions_resnet18_as_torch_does(device, monkeypatch):
     gaps = []
     for step in range(20):
         model.load_state_dict(reference.state_dict())
-        layers = batch_norm_dx_gaps(model, lambda: loss_and_grads(model, x, target))
+        (loss, grads), layers = batch_norm_dx_gaps(model, lambda: loss_and_grads(model, x, target))
         worst = max(layers, key=layers.get)
         assert layers[worst] <= 1e-5, f"step {step}: {worst} {layers[worst]:.2e}"
-        loss, grads = loss_and_grads(model, x, target)
         ref_loss, ref_grads = loss_and_grads(reference, x, target)
         torch.testing.assert_close(loss, ref_loss, rtol=1e-4, atol=1e-6, msg=f"step {step}")
         total = math.sqrt(sum(float(g.double().square().sum()) for g in ref_grads))

@@ -63,7 +63,7 @@ class Kernel:
                           if name.endswith(WORKSPACE_SUFFIX)]
         self.params = [p for p in params if not p[0].endswith(WORKSPACE_SUFFIX)]
         self.func = self._with_scratch if self.counted or self.workspace else self.packed  # inputs, then outputs
-        self._scratch = single_launch.scratch_for(self.workspace, self.counted)
+        self._scratch = _scratch_for(self.workspace, self.counted)
         self.num_inputs = self.problem.num_inputs
         self.outputs = self.params[self.num_inputs :]
 
@@ -86,6 +86,36 @@ class Kernel:
 
     def describe(self) -> str:
         return f"{self.problem.key()} on {targets.key(self.target)}: {self.candidate} [{self.knobs}] ({self.source})"
+
+
+def _scratch_for(workspace: list[tuple[str, tuple[int, ...], str]], counter: bool) -> Any:
+    """A function that gives a direct call's arguments after the outputs, from its
+    first argument ``x``: a buffer per ``workspace`` (name, shape, dtype), then with
+    ``counter`` the launch counter. Torch tensors get ``arrays.Kind.scratch``'s sets
+    (one per stream, one per call under CUDA graph capture); TVM tensors one set per
+    device, which a graph captured over TVM tensors (the bench's) may keep."""
+    if not workspace:
+        return lambda x: [single_launch.counter_like(x)]
+    from . import arrays  # arrays imports this module
+
+    specs = [(shape, dtype) for _, shape, dtype in workspace]
+    per_device: dict[Any, Any] = {}
+
+    def get(x: Any) -> list[Any]:
+        if isinstance(x, tvm_ffi.Tensor):
+            key = (x.device.dlpack_device_type(), x.device.index)
+            tail = per_device.get(key)
+            if tail is None:
+                tail = [tvm.runtime.empty(shape, dtype, x.device) for shape, dtype in specs]
+                tail = per_device.setdefault(key, tail + ([single_launch.tvm_counter(x.device)] if counter else []))
+            return tail
+        scratch = per_device.get(x.device)
+        if scratch is None:
+            scratch = per_device.setdefault(x.device, arrays.Kind(arrays.inspect(x, "kernel", "x")).scratch(
+                specs, counter=counter))
+        return scratch()
+
+    return get
 
 
 PARAM_ALIGNMENT = 16

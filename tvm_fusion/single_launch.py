@@ -286,39 +286,3 @@ def counter_like(x: Any) -> Any:
         return tvm_counter(x.device)
     return torch_counter(x.device.index or 0)()
 
-
-# A kernel's workspace (kernel.compiled_form) for direct calls, kept like the counters:
-# one set per (CUDA device, torch stream), or per TVM device; under CUDA graph capture
-# a set per call. Nothing needs zeroing: a kernel writes its partials before it reads
-# them.
-def scratch_for(workspace: list[tuple[str, tuple[int, ...], str]], counter: bool) -> Callable[[Any], list[Any]]:
-    """A function that gives the arguments after the outputs of a kernel whose first
-    argument is ``x``: a buffer per ``workspace`` (name, shape, dtype), then with
-    ``counter`` the launch counter."""
-    if not workspace:
-        return lambda x: [counter_like(x)]
-    workspace = [(shape, dtype) for _, shape, dtype in workspace]
-    kept: dict[tuple, list[Any]] = {}
-
-    def get(x: Any) -> list[Any]:
-        if isinstance(x, tvm_ffi.Tensor):
-            key = (x.device.dlpack_device_type(), x.device.index)
-            tail = kept.get(key)
-            if tail is None:
-                tail = kept.setdefault(key, [tvm.runtime.empty(s, d, x.device) for s, d in workspace])
-        else:
-            import torch
-
-            index = x.device.index or 0
-            if torch._C._cuda_isCurrentStreamCapturing():
-                tail = [torch.empty(s, dtype=getattr(torch, d), device=x.device) for s, d in workspace]
-            else:
-                key = (index, torch._C._cuda_getCurrentRawStream(index))
-                tail = kept.get(key)
-                if tail is None:
-                    tail = kept.setdefault(key, [tvm_ffi.from_dlpack(torch.empty(s, dtype=getattr(torch, d),
-                                                                                 device=x.device))
-                                                 for s, d in workspace])
-        return [*tail, counter_like(x)] if counter else tail
-
-    return get
