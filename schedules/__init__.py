@@ -41,6 +41,7 @@ from .cuda import (  # noqa: F401
     cross_entropy_grad_row_in_shared,
     cross_entropy_grad_warp_per_row,
     cross_entropy_grad_warp_per_row_padded,
+    cross_entropy_grad_window_in_shared,
     cross_entropy_online,
     cross_entropy_row_in_shared,
     cross_entropy_warp_per_row,
@@ -65,6 +66,7 @@ DISPATCH_ORDER = {
     ],
     # Each candidate computes one mode (problem.mode): fused or from_lse.
     ("cross_entropy_grad", "cuda"): [
+        "cross_entropy_grad_window_in_shared",
         "cross_entropy_grad_warp_per_row_padded",
         "cross_entropy_grad_row_in_shared",
         "cross_entropy_grad_warp_per_row",

@@ -40,6 +40,18 @@ coef(S) -> dlogits(SS) | row_loss(R) -> loss``
 ``fused_padded``  ``fused`` with the forward's ``padded_three_pass`` statistics (the row's
     16-byte granules padded to a multiple of 32 lanes; V a multiple of a granule's
     elements); ``dlogits`` reads the logits themselves.
+``fused_window``  ``t(R) -> denom, first_bad | x -> window(SSS) -> max(S) -> exp, sum(S) ->
+lse, row_loss, coef(S) -> dlogits(SS) | row_loss(R) -> loss``, for rows off the
+16-byte grid (V odd in fp16/bf16): the row's 16-byte granules of the *flat* logits,
+each one aligned load, as one map a schedule keeps on chip, then ``fused`` over it.
+With c values a granule, ``a_i = (iV) mod c`` (the row's start in its first granule)
+and ``W = ceil((V + c - 1) / c)`` (the most granules a row touches):
+    1. window[i, g, v] = x_flat[c min(floor(iV / c) + g, BV / c - 1) + v]   (B, W, c)
+       (the clamp keeps the last row's window inside the tensor; BV a multiple of c)
+    2. row_max, row_sumexp (+ smoothing sums) over the window's (g, v), element
+       ``k = c g + v - a_i`` of the row where ``0 <= k < V`` (-inf / 0 elsewhere: the
+       head's and tail's neighbours in the granules shared with the next rows)
+    3-5. as ``fused``; ``dlogits[i, k]`` reads ``window[i, (k + a_i) / c, (k + a_i) mod c]``.
 ``from_lse``  ``t(R) -> denom | w(R) -> W | coef(S) -> dlogits(SS)``
     0. ``denom`` (mean) over the targets and ``weight_total`` (W, with weight and
        smoothing) over the weight, each a first small pass; 3. the coefficients;
@@ -84,9 +96,10 @@ from .cross_entropy import (
     row_weight_value,
     target_checks,
 )
-from .primitives import DUAL_SUM, dims, index_dtype, logsumexp, poly_exp, tuple_reducer, widen
+from .primitives import DUAL_SUM, TRIPLE_SUM, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen
 
-ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp", "fused_padded")
+ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp", "fused_padded",
+              "fused_window")
 MODE_OF = {name: "from_lse" if name.startswith("from_lse") else "fused" for name in ALGORITHMS}
 DEFAULT_FOR_MODE = {"fused": "fused", "from_lse": "from_lse"}
 # The forward decomposition whose row statistics each fused decomposition reuses.
@@ -128,6 +141,7 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
     def x(i, k):
         return widen(logits[i, k], problem.dtype)
 
+    x_map = x  # what dlogits reads: the logits, or the window (fused_window)
     checks = target_checks(problem, target)
     i_all = te.reduce_axis((tirx.IntImm(idx, 0), batch), name="i")
     i_loss = te.reduce_axis((tirx.IntImm(idx, 0), batch), name="i2")
@@ -168,7 +182,10 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
 
             target_logit = te.compute(rows, target_logit_value, name="target_logit")
             x_loss = lambda i, _k: target_logit[i]  # noqa: E731
-        row_max, row_sumexp, extra = row_statistics(problem, logits, weight, STATISTICS[algorithm], idx)
+        if algorithm == "fused_window":  # dlogits reads the row from the window
+            x_map, row_max, row_sumexp, extra = window_statistics(problem, logits, weight, idx)
+        else:
+            row_max, row_sumexp, extra = row_statistics(problem, logits, weight, STATISTICS[algorithm], idx)
         lse_out = te.compute(rows, lambda i: logsumexp(row_max[i], row_sumexp[i]), name="lse")
         row_loss = te.compute(
             rows,
@@ -230,7 +247,7 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
 
     # 4. The map over the row.
     def grad_body(i, v):
-        g = grad_a[i] * exp(x(i, v) - shift[i])
+        g = grad_a[i] * exp(x_map(i, v) - shift[i])
         g = g - tirx.Select(v == grad_t[i], grad_b[i], tirx.const(0.0, F32))
         if smoothing:
             g = g - grad_c[i] * (weight[v] if weighted else tirx.const(1.0, F32))
@@ -260,3 +277,79 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
         loss = te.compute(scalar, lambda z: total[z], name="loss")
     head = [first_bad] + ([denom] if reduction == "mean" else [])
     return params + head + [lse_out, row_loss, dlogits, loss]
+
+
+def window_granules(problem) -> int:
+    """``fused_window``'s W: the most 16-byte granules one row touches, ``ceil((V + c -
+    1) / c)``; a ValueError where the decomposition cannot hold the rows (``B V`` not a
+    multiple of a granule's c values: the tensor's last granule would be partial, and
+    its last row would read past the end; V under two granules)."""
+    c = granule(problem.dtype)
+    batch, classes = problem.shape
+    if batch * classes % c or classes < 2 * c:
+        raise ValueError(f"cross_entropy_grad: fused_window needs B * V a multiple of {c} and V >= {2 * c} for "
+                         f"{problem.dtype}, got B = {batch}, V = {classes}")
+    return -(-(classes + c - 1) // c)
+
+
+def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx: str) -> tuple:
+    """``fused_window``'s steps 1-2: ``(x, row_max, row_sumexp, extra)``, ``x(i, k)`` the
+    row's element k read from the window (what ``dlogits`` reads), the rest as
+    :func:`compute.cross_entropy.row_statistics` gives them."""
+    batch, classes = dims(problem.shape, idx)
+    c = granule(problem.dtype)
+    count = window_granules(problem)
+    C, V = tirx.IntImm(idx, c), classes
+    last = tirx.IntImm(idx, problem.batch * problem.classes // c - 1)
+    smoothing = problem.label_smoothing > 0.0
+
+    def start(i):  # a_i, the row's first element within its granule
+        return tirx.floormod(i * V, C)
+
+    def flat(i, g, v):  # granule g of row i's window, clamped to the tensor's last
+        return tirx.min(tirx.floordiv(i * V, C) + g, last) * C + v
+
+    window = te.compute(
+        [batch, tirx.IntImm(idx, count), C],
+        lambda i, g, v: logits[tirx.floordiv(flat(i, g, v), V), tirx.floormod(flat(i, g, v), V)],
+        name="window")
+
+    def element(i, g, v):  # (k, inside): the row's element at window position (g, v)
+        k = g * C + v - start(i)
+        return k, tirx.all(k >= tirx.IntImm(idx, 0), k < V)
+
+    def masked(i, g, v, pad):
+        _, inside = element(i, g, v)
+        return tirx.Select(inside, widen(window[i, g, v], problem.dtype), tirx.const(pad, F32))
+
+    def axes(suffix):
+        return (te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, count)), name=f"g{suffix}"),
+                te.reduce_axis((tirx.IntImm(idx, 0), C), name=f"v{suffix}"))
+
+    g, v = axes("")
+    row_max = te.compute([batch], lambda i: te.max(masked(i, g, v, -float("inf")), axis=[g, v]), name="row_max")
+    g2, v2 = axes("2")
+
+    def sums(i):
+        # exp(-inf - max) = 0 outside the row: no select after the exp
+        terms = (te.exp(masked(i, g2, v2, -float("inf")) - row_max[i]),)
+        if smoothing:
+            k, inside = element(i, g2, v2)
+            xv = masked(i, g2, v2, 0.0)
+            if problem.has_weight:
+                w = tirx.if_then_else(inside, weight[tirx.Select(inside, k, tirx.IntImm(idx, 0))], tirx.const(0.0, F32))
+                terms += (w * xv, w)
+            else:
+                terms += (xv,)
+        if len(terms) == 1:
+            return te.sum(terms[0], axis=[g2, v2])
+        return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=[g2, v2])
+
+    stats = te.compute([batch], sums, name="row_sumexp")
+    stats = stats if isinstance(stats, (list, tuple)) else [stats]
+
+    def x(i, k):
+        e = k + start(i)
+        return widen(window[i, tirx.floordiv(e, C), tirx.floormod(e, C)], problem.dtype)
+
+    return x, row_max, stats[0], list(stats[1:])
