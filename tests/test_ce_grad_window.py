@@ -71,8 +71,7 @@ def test_fits_rows_off_the_grid_whose_window_fits(shape, dtype, fits):
     assert CANDIDATE.applies(problem) == fits
     assert not CANDIDATE.applies(grad_problem(shape, dtype, in_place=True))
     assert not CANDIDATE.applies(tf.make_problem("cross_entropy_grad", shape, dtype, mode="from_lse"))
-    big = problem.batch >= 2 * targets.sm_count(CUDA) and problem.classes >= 4096 and dtype != "float32"
-    assert CANDIDATE.prefers(problem, CUDA) == (fits and big)
+    assert not CANDIDATE.prefers(problem, CUDA)  # slower than the online candidate (its docstring)
 
 
 def test_is_a_compute_algorithm_that_names_its_limits():
@@ -81,7 +80,9 @@ def test_is_a_compute_algorithm_that_names_its_limits():
     assert window_granules(grad_problem((8, 50257), "bfloat16")) == 6283  # ceil((50257 + 7) / 8)
     with pytest.raises(ValueError, match="fused_window needs B \\* V a multiple of 8"):
         prim_func(grad_problem((3, 1001), "float16"), window.ALGORITHM)
-    assert registry.default_candidate(grad_problem((16384, 50257), "bfloat16"), CUDA).name == NAME
+    online = registry.default_candidate(grad_problem((16384, 50257), "bfloat16"), CUDA)
+    assert online.name == "cross_entropy_grad_online"
+    assert online.default_for(grad_problem((16384, 50257), "bfloat16"), CUDA).threads == 1024
 
 
 # -- the decomposition on the CPU ------------------------------------------------------

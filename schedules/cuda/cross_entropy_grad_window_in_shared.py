@@ -31,6 +31,19 @@ bandwidth: H200, 16384x50257 bf16, fused gradient 1.5268 ms with three sweeps
 at 1024 threads), against a 0.7813 ms floor; fewer rows in flight (persistent blocks)
 was slower still (results/benchmarks.csv, 2026-12-03, the rows_per_block probe).
 
+Measured (H200, 2026-12-03, "window knob probe" rows of results/benchmarks.csv, each
+against float64 first): one read did not make it faster. 16384x50257 bf16 1.5282 ms
+at its best (512 threads) against 1.4152 for ``cross_entropy_grad_online`` at 1024;
+3000x50257 fp16 0.2695 (1024 threads) against 0.2771; 2048x32001 bf16 0.1076 against
+0.1069. The row kernel is bound by issue, not by memory: about 35 instructions an
+element over three sweeps of shared memory (a masked max, a masked sum of exp, the
+gradient with its exp and a 2-byte store), some 55K warp instructions a row, 7.6 us
+of an SM's issue a row against 6.2 us of its share of HBM for the row's read and
+write, with two blocks an SM to overlap them. So it is not dispatched by default
+(``prefers``); the tuner can still choose it. What would cut the count: the body
+granules unmasked (only the first and last hold other rows' values), one online sweep
+for the statistics, and ``dlogits`` written by granules with 16-byte stores.
+
 Applies to rows over 16-byte boundaries whose window fits beside a second block on
 an SM (``W * 16 <= ROW_BYTES_MAX``: V <= 57337 in fp16/bf16), ``B V`` a multiple of
 a granule's c values (``window_granules``), not in place (a window's edge granules
@@ -53,7 +66,6 @@ from tvm_fusion.compute.cross_entropy_grad import window_granules
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
-from tvm_fusion.targets import sm_count
 
 from ..common import coefficients_at, lanes_split, outputs_to, row_loss_name, single_thread, thread_reduce
 from .common import VECTOR_BYTES, grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
@@ -90,10 +102,9 @@ class CrossEntropyGradWindowInShared(Candidate):
         return granules * VECTOR_BYTES <= ROW_BYTES_MAX
 
     def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
-        # Where the scalar candidates are short of loads in flight: 16-bit rows of
-        # 4096 classes and more once the batch fills the GPU (docstring, "Why").
-        return (self.applies(problem) and DTYPE_BYTES[problem.dtype] == 2 and problem.classes >= 4096
-                and problem.batch >= 2 * sm_count(target))
+        # Not by default: the aligned loads did not make it faster than the online
+        # candidate at 1024 threads (docstring, "Measured"); the tuner may still pick it.
+        return False
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
         return {"threads": [256, 512, 1024], "unroll": [4, 8, 16, 32]}
