@@ -29,7 +29,7 @@ consecutive rows, so that the rows in flight fit in L2 for the gradient pass's
 re-read): slower on every shape tried, the row kernel is short of loads in flight,
 not of L2 hits (H200, 2026-12-03, rows "probe: uncommitted rows_per_block knob" in
 results/benchmarks.csv: 8192x128256 bf16 1.5172 ms a block per row at 1024 threads,
-1.5609 at 264 blocks, 1.8794 at 131; 16384x50257 bf16 1.4286 against 1.6601); the
+1.5609 at 256 blocks, 1.8794 at 131; 16384x50257 bf16 1.4286 against 1.6601); the
 per-element online combine (two exp per element, MUFU-bound); the
 running statistics in shared memory (the forward's ``cross_entropy_online`` keeps
 them there for thread 0 alone; here every thread reads them, which is the race the
