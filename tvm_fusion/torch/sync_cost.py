@@ -69,16 +69,24 @@ def collective_bytes(channels: int, world_size: int) -> dict[str, int]:
     return {"all_gather": world_size * (2 * channels + 1) * FLOAT32, "all_reduce": 2 * channels * FLOAT32}
 
 
+NEGLIGIBLE_SLOPE = 1e-9  # a bytes term below this share of the measured times is no bandwidth term
+
+
 def fit(nbytes: Any, seconds: Any) -> Cost:
     """Least-squares ``latency + bytes / bandwidth`` through measured (bytes, seconds)
     pairs; a slope of 0 or less (times that do not grow with the bytes) is an
-    infinite bandwidth."""
+    infinite bandwidth, and so is a slope whose bytes term is rounding
+    (``NEGLIGIBLE_SLOPE`` of the times at the largest size): flat times fit a slope of
+    9.4e-24 s a byte with one LAPACK build (AMD EPYC, numpy 2.4.6) and exactly 0 with
+    another."""
     x, t = np.asarray(nbytes, dtype=np.float64), np.asarray(seconds, dtype=np.float64)
     if x.shape != t.shape or x.ndim != 1 or len(x) < 2 or len(set(x.tolist())) < 2:
         raise ValueError(f"fit: needs matching 1-D sizes and times with two sizes at least, got {x.shape} "
                          f"sizes and {t.shape} times")
     (latency, per_byte), *_ = np.linalg.lstsq(np.stack([np.ones_like(x), x], axis=1), t, rcond=None)
-    return Cost(float(latency), float(1.0 / per_byte) if per_byte > 0 else float("inf"))
+    if per_byte * x.max() <= NEGLIGIBLE_SLOPE * np.abs(t).max():
+        return Cost(float(latency), float("inf"))
+    return Cost(float(latency), float(1.0 / per_byte))
 
 
 # -- measuring ----------------------------------------------------------------------------
