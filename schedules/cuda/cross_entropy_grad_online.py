@@ -82,8 +82,7 @@ class CrossEntropyGradOnline(Candidate):
         # three sweeps, 16384x50257 bf16 1.4152 ms against 1.5342, 3000x50257 fp16
         # 0.2771 against 0.2954, 2048x32001 bf16 0.1069 against 0.1283 (H200, 2026-12-03,
         # "window knob probe" rows); at its old 512 threads it lost (1.6268 against 1.5252).
-        scalar_16_bit = not reads_16_bytes(problem.dtype, problem.classes) and DTYPE_BYTES[problem.dtype] == 2
-        return ((reads_16_bytes(problem.dtype, problem.classes) or scalar_16_bit)
+        return ((reads_16_bytes(problem.dtype, problem.classes) or DTYPE_BYTES[problem.dtype] == 2)
                 and CrossEntropyOnline.prefers(self, problem, target))
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
@@ -96,10 +95,9 @@ class CrossEntropyGradOnline(Candidate):
     def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradOnlineKnobs:
         chunk = VECTOR_BYTES // DTYPE_BYTES[problem.dtype]
         threads = max(128, ladder(problem.classes // chunk, THREADS_BY_VECTORS, MAX_THREADS))
-        vector = widest_vector(problem.dtype, problem.classes)
-        if vector * DTYPE_BYTES[problem.dtype] < VECTOR_BYTES and problem.classes >= 4096:
+        if not reads_16_bytes(problem.dtype, problem.classes) and problem.classes >= 4096:
             threads = MAX_THREADS  # scalar rows: the most loads in flight (``prefers`` has the H200 figures)
-        return GradOnlineKnobs(threads=threads, vector=vector, unroll=16)
+        return GradOnlineKnobs(threads=threads, vector=widest_vector(problem.dtype, problem.classes), unroll=16)
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         # Kernel 1: the targets pass.

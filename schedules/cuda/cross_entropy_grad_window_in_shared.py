@@ -63,8 +63,8 @@ from dataclasses import dataclass
 from tvm.target import Target
 
 from tvm_fusion.compute.cross_entropy_grad import window_granules
+from tvm_fusion.compute.primitives import granule
 from tvm_fusion.contracts import CrossEntropyGradProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import coefficients_at, lanes_split, outputs_to, row_loss_name, single_thread, thread_reduce
@@ -121,7 +121,7 @@ class CrossEntropyGradWindowInShared(Candidate):
         row = merge_grad_rows(sch, problem, ("window", "row_max", "row_sumexp"))
         sch.bind(row, "blockIdx.x")
         # 2. The window into shared memory, a 16-byte load and store per granule.
-        c = VECTOR_BYTES // DTYPE_BYTES[problem.dtype]
+        c = granule(problem.dtype)
         window = sch.get_sblock("window")
         outputs_to(sch, window, "shared.dyn")
         staged = sch.get(window).writes[0].source.name  # the buffer's name in its new scope

@@ -134,10 +134,7 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
     exp = poly_exp if algorithm == "three_pass_poly_exp" else te.exp
 
     def sums(i, axis):
-        terms = (exp(x(i, axis) - row_max[i]),) + smooth_terms(i, axis)
-        if len(terms) == 1:
-            return te.sum(terms[0], axis=axis)
-        return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=axis)
+        return sum_terms((exp(x(i, axis) - row_max[i]),) + smooth_terms(i, axis), axis)
 
     def as_list(stats):
         return list(stats) if isinstance(stats, (list, tuple)) else [stats]
@@ -192,9 +189,7 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
                 inside = col(j, v2) < classes if ragged else None
                 for term in smooth_terms(i, col(j, v2)):
                     terms += (term if not ragged else tirx.if_then_else(inside, term, tirx.const(0.0, "float32")),)
-            if len(terms) == 1:
-                return te.sum(terms[0], axis=v2)
-            return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=v2)
+            return sum_terms(terms, v2)
 
         chunk_stats = te.compute(row_chunks, chunk_body, name="chunk_sumexp")
         chunk_stats = chunk_stats if isinstance(chunk_stats, (list, tuple)) else [chunk_stats]
@@ -226,6 +221,14 @@ def poly_exp_body(classes: int) -> int:
     if classes % 4 == 0 or classes < POLY_EXP_GRAIN:
         return classes
     return classes - classes % POLY_EXP_GRAIN
+
+
+def sum_terms(terms: tuple, axis) -> te.Tensor | tuple:
+    """One reduction over ``axis`` of the sum of exp and its smoothing sums (one, two or
+    three terms): ``te.sum``, or the pair or triple of sums that one block computes."""
+    if len(terms) == 1:
+        return te.sum(terms[0], axis=axis)
+    return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=axis)
 
 
 def poly_exp_joins(problem) -> list[str]:
@@ -294,9 +297,7 @@ def padded_row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, 
             k = col(g2, v2)
             plain = (weight[k] * x(i, g2, v2), weight[k]) if problem.has_weight else (x(i, g2, v2),)
             terms += tuple(masked(g2, t, 0.0) for t in plain)
-        if len(terms) == 1:
-            return te.sum(terms[0], axis=[g2, v2])
-        return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=[g2, v2])
+        return sum_terms(terms, [g2, v2])
 
     stats = te.compute(rows, sumexp_body, name="row_sumexp")
     stats = stats if isinstance(stats, (list, tuple)) else [stats]
@@ -334,11 +335,6 @@ def aligned_row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None,
             return terms
         return tuple(tirx.if_then_else(inside, t, tirx.const(0.0, "float32")) for t in terms)
 
-    def reduce_terms(terms, axis):
-        if len(terms) == 1:
-            return te.sum(terms[0], axis=axis)
-        return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=axis)
-
     # Body: granule j + 1 of the row's window, always inside the row, no guard. The
     # granule index is clamped to the body (a no-op for j < body): the lanes' split
     # of the body is ragged, and without the clamp the register stage of a granule
@@ -360,7 +356,7 @@ def aligned_row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None,
 
     def chunk_body(i, j):
         k = col(i, j, v2)
-        return reduce_terms((te.exp(x(i, k) - chunk_max[i, j]),) + smooth_terms(i, k), v2)
+        return sum_terms((te.exp(x(i, k) - chunk_max[i, j]),) + smooth_terms(i, k), v2)
 
     chunk_stats = te.compute(row_chunks, chunk_body, name="chunk_sumexp")
     chunk_stats = chunk_stats if isinstance(chunk_stats, (list, tuple)) else [chunk_stats]
@@ -395,7 +391,7 @@ def aligned_row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None,
         if smoothing:
             safe = tirx.if_then_else(inside, k, tirx.IntImm(idx, 0))
             terms += smooth_terms(i, safe, inside)
-        return reduce_terms(terms, e2)
+        return sum_terms(terms, e2)
 
     edge_stats = te.compute(rows, edge_body, name="edge_sumexp")
     edge_stats = edge_stats if isinstance(edge_stats, (list, tuple)) else [edge_stats]

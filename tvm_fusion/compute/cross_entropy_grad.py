@@ -94,9 +94,10 @@ from .cross_entropy import (
     row_ok,
     row_statistics,
     row_weight_value,
+    sum_terms,
     target_checks,
 )
-from .primitives import DUAL_SUM, TRIPLE_SUM, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen
+from .primitives import DUAL_SUM, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen
 
 ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp", "fused_padded",
               "fused_window")
@@ -341,9 +342,7 @@ def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx:
                 terms += (w * xv, w)
             else:
                 terms += (xv,)
-        if len(terms) == 1:
-            return te.sum(terms[0], axis=[g2, v2])
-        return (DUAL_SUM if len(terms) == 2 else TRIPLE_SUM)(terms, axis=[g2, v2])
+        return sum_terms(terms, [g2, v2])
 
     stats = te.compute([batch], sums, name="row_sumexp")
     stats = stats if isinstance(stats, (list, tuple)) else [stats]
