@@ -89,6 +89,29 @@ def test_corrupt_line_is_reported_with_file_and_line_and_the_rest_loads(tuned, t
         records.load(broken, strict=True)
 
 
+def test_a_gzipped_log_loads_like_the_plain_one_and_refuses_writes(tuned, tmp_path):
+    """A log kept as database_*.json.gz (the cost model's grids) reads the same records
+    as its plain files; writing records into that folder is refused with the reason."""
+    import gzip
+
+    log_dir, _ = tuned
+    source = records.folder(log_dir, CPU)
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for name in (records.WORKLOADS, records.RECORDS):
+        (packed / (name + ".gz")).write_bytes(gzip.compress((source / name).read_bytes()))
+    assert records.holds_database(packed) and not (packed / records.RECORDS).exists()
+    plain, gzipped = records.load(source, strict=True), records.load(packed, strict=True)
+    assert gzipped.records == plain.records > 0
+    def timed(log):
+        return sorted((str(r.trace), tuple(float(s) for s in r.run_secs)) for r in log.database.get_all_tuning_records())
+
+    assert timed(gzipped) == timed(plain)
+    with pytest.raises(ValueError, match="gzipped log.*gunzip"):
+        records.json_database(packed)
+    assert not records.holds_database(tmp_path)
+
+
 def test_merge_two_logs(tuned, tmp_path):
     log_dir, _ = tuned
     source = records.folder(log_dir, CPU)

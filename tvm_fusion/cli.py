@@ -247,7 +247,7 @@ def cmd_cost_model(args: argparse.Namespace) -> int:
     target = parse_target(args.target)
     folders = [cost_model.database_folder(log_dir, target) for log_dir in args.log_dir]
     for log_dir, folder in zip(args.log_dir, folders):
-        if not (folder / records.RECORDS).exists():
+        if not records.holds_database(folder):
             raise UsageError(f"no {targets.key(target)} tuning log in {log_dir!r}: expected {folder / records.RECORDS}")
     rows = cost_model.training_rows(args.log_dir, target)
     shapes = len({r.problem for r in rows})

@@ -30,26 +30,23 @@ Features (:class:`Schema`), all numbers, one row per configuration:
    from 0.16 to 0.36.
 
 Target variables: ``log(seconds / bytes moved)`` (the log of the inverse bandwidth),
-in two parts. The ranking regressor learns each configuration's value less the mean
-over its problem's timed configurations: the relative cost, which is all a pick
-compares. A second regressor, on the problem's features alone, learns that mean, so
-that :meth:`CostModel.predict_many` still returns seconds for ``explain``; it adds the
-same number to every configuration of a problem and changes no ranking. With the
-absolute target alone one tree had to fit both the shape's scale (the best times of
-the shipped H200 records span 0.0038 to 0.50 ms, 130x) and the configurations' spread,
-and leave-one-shape-out over the shipped records and grids (35 shapes, 2026-12-03)
-put the geometric mean pick/best at 1.114 (bn_stats, 17 shapes) and 1.084 (cross
-entropy, 18); the relative target gives 1.084 and 1.080, the worst pick 1.459 and 1.649
-where it was 1.491 and 1.699 (the registry's heuristic: 1.075 over the 35). Over the
-grids alone (31 shapes), across six depth / round / step settings, the relative target
-never picked worse than 1.49x, where the absolute one reached 2.7-4.4x on the tiny
-latency-bound shapes. A problem's mean depends on which configurations were timed (a
-tune's trials are not a grid); that shifts its relative targets by one constant.
+in two parts. The ranking model learns the order of each problem's configurations by
+that value, pair by pair (xgboost's ``rank:pairwise``, each problem a query group): the
+order is all a pick compares. A line fitted through its scores and each configuration's
+value less its problem's mean turns a score back into a relative log time. A second
+regressor, on the problem's features alone, learns that mean, so that
+:meth:`CostModel.predict_many` still returns seconds for ``explain``; it adds the same
+number to every configuration of a problem and changes no ranking. Before 2026-12-04 the
+ranking model was a regressor: first of the value itself (the best times span 130x
+across shapes, and one tree had to fit both the shape's scale and the configurations'
+spread), then of the value less its problem's mean. Leave-one-shape-out numbers of each
+are with ``XGB_PARAMS`` below.
 
 The model file is ``cost_model_<target key>.json``: per operator the schema and
-xgboost's own JSON models, the ranking one and the scale one (gzipped, base64). Dispatch reads it when a problem has no
-record, from ``$TVM_FUSION_COST_MODEL`` or beside a target's tuning logs; the shipped
-H200 one, ``tuning_logs/cuda_sm_90/grids/cost_model_cuda_sm_90.json``, only when asked
+xgboost's own JSON models, the ranking one and the scale one (gzipped, base64), and the
+score's calibration line. Dispatch reads it when a problem has no record, from
+``$TVM_FUSION_COST_MODEL`` or beside a target's tuning logs; the shipped H200 one,
+``tuning_logs/cuda_sm_90/grids/cost_model_cuda_sm_90.json``, only when asked
 (``TVM_FUSION_COST_MODEL=shipped``, see ``shipped_model``).
 """
 
@@ -74,7 +71,7 @@ from .contracts import CrossEntropyGradProblem, CrossEntropyProblem, Problem
 from .contracts.common import DTYPE_BYTES
 from .registry import Candidate, Knobs
 
-FORMAT = 3  # 3: the relative target and the scale model; 2: the launch features (5. above)
+FORMAT = 4  # 4: the pairwise ranking objective; 3: the relative target; 2: the launch features
 
 # The shapes of the shipped model's grids (``tvm-fusion grid --preset training``) and the
 # ones that judge it (``--preset held-out``), as (op, shape, dtype, options). They spread
@@ -140,24 +137,37 @@ HELD_OUT_SHAPES = (
     _bn((48, 28, 28, 192), "float16", "NHWC"), _bn((24, 17, 17, 768), "bfloat16", "NHWC"),
 )
 PRESETS = {"training": TRAINING_SHAPES, "held-out": HELD_OUT_SHAPES}
-TARGET_VARIABLE = "log(seconds / bytes_moved) less its problem's mean, and that mean"
+TARGET_VARIABLE = "pairwise order of log(seconds / bytes_moved) within a problem, and its problem's mean"
 
-# Trees of depth 3, 200 rounds at a 0.2 step. Chosen by leave-one-shape-out over the
-# training grids and the tune records alone (the held-out shapes were not looked at),
-# H200, 2026-12-02, with the absolute target: the geometric mean pick/best was 1.034
-# (cross entropy, 18 shapes) and 1.118 (bn_stats, 17) with the margin below; 1.107 and
-# 1.102 at depth 4 / 100 rounds; 1.195 and 1.292 at depth 8 / 400 rounds at 0.05 (deeper
-# trees fit the few shapes and mispicked up to 7.8x). The relative target (2026-12-03)
-# kept them: over the grids alone it beat the absolute one at each of six settings.
+# Trees of depth 3, 200 rounds at a 0.2 step, learning the order of a problem's
+# configurations pair by pair (``rank:pairwise``, the problems as query groups). Chosen by
+# leave-one-shape-out over the training grids and the tune records alone, before the
+# second held-out set was looked at (2026-12-04, 66 shapes, 1349 timed configurations;
+# ``tvm-fusion cost-model evaluate``). Geometric mean pick/best, and the shapes past 1.10x:
+#
+# | model                                        | bn_stats (34)  | cross entropy (32) |
+# |----------------------------------------------|----------------|--------------------|
+# | the registry's heuristic                     | 1.134, 10 of 30 timed | 1.069, 5    |
+# | regression on the relative target, 10% margin | 1.129, 13     | 1.035, 3           |
+# |   the same without the margin                | 1.098, 9       | 1.038, 3           |
+# |   depth 2 / depth 4 / depth 5                | 1.098 / 1.118 / 1.118 | 1.021 / 1.037 / 1.056 |
+# |   8 bagged regressors (shapes resampled)     | 1.093, 12      | 1.033, 2           |
+# | pairwise ranking, no margin (this)           | 1.083, 8       | 1.027, 2           |
+# |   100 / 400 rounds, depth 2 / 4 / 5          | 1.087-1.099, 8-13 | -               |
+#
+# Four more launch features (waves, last-wave fill, resident threads and bytes in flight
+# per SM) made it worse (1.107 and 1.045, 13 and 4 past 1.10x) and were left out. Settings
+# within a few percent of one another move single shapes by 1.2-1.8x: what limits the
+# model is 66 shapes of grids at 6 configurations a candidate, not its settings.
 # One thread: two on the 2-core CI machine under load took 100x longer.
-XGB_PARAMS = {"objective": "reg:squarederror", "max_depth": 3, "eta": 0.2, "min_child_weight": 1.0,
+XGB_PARAMS = {"objective": "rank:pairwise", "max_depth": 3, "eta": 0.2, "min_child_weight": 1.0,
               "lambda": 1.0, "seed": 0, "nthread": 1}
+SCALE_PARAMS = {**XGB_PARAMS, "objective": "reg:squarederror"}
 ROUNDS = 200
-# The model's pick replaces the registry's default only where it predicts it at least
-# this much faster: the heuristic defaults are right on most shapes (leave-one-shape-out
-# default/best 1.089 cross entropy, 1.126 bn_stats), and the model's errors on a shape
-# are often larger than the gap it would gain (without the margin: 1.106 and 1.114).
-MARGIN = 0.1
+# The pick is the configuration ranked first. Until 2026-12-04 the registry's default was
+# kept unless the model predicted another 10% faster: that margin helped the regression
+# models (the heuristic was better than them), but with the pairwise ranking it lost
+# (1.093 and 1.028 with it, 1.083 and 1.027 without), and it went.
 # The knobs that multiply into the lanes reducing one output (see the docstring, 4.).
 PARALLEL_KNOBS = ("threads", "vector", "splits", "channel_lanes")
 
@@ -333,7 +343,7 @@ def training_rows(log_dirs: str | os.PathLike | Iterable[str | os.PathLike], tar
 def database_folder(log_dir: str | os.PathLike, target: Target) -> pathlib.Path:
     """``log_dir`` itself when it holds a database, else its ``<target key>`` folder."""
     path = pathlib.Path(log_dir)
-    return path if (path / records.RECORDS).exists() else records.folder(path, target)
+    return path if records.holds_database(path) else records.folder(path, target)
 
 
 def _label(row: Row) -> float:
@@ -370,6 +380,7 @@ class CostModel:
         self.target_key = target_key  # e.g. cuda_sm_90
         self.models: dict[str, tuple[Schema, object]] = {}  # op -> (schema, the relative Booster)
         self.scales: dict[str, object] = {}  # op -> the Booster of a problem's mean
+        self.calibration: dict[str, tuple[float, float]] = {}  # op -> (slope, intercept): score -> relative
         self.trained_on: dict[str, list[str]] = {}  # op -> the problem keys of its rows
 
     @classmethod
@@ -386,12 +397,21 @@ class CostModel:
             if not op_rows:
                 continue
             relative, problems, means = _split_labels(op_rows)
-            data = xgb.DMatrix(np.array([schema.row(r.problem, r.candidate, r.knobs) for r in op_rows]),
-                               label=relative, feature_names=schema.names)
-            model.models[op] = (schema, xgb.train(XGB_PARAMS, data, num_boost_round=ROUNDS))
+            features = np.array([schema.row(r.problem, r.candidate, r.knobs) for r in op_rows])
+            # Query groups must be contiguous: the rows come sorted by problem (training_rows).
+            group = np.array([problems.index(r.problem) for r in op_rows])
+            order = np.argsort(group, kind="stable")
+            data = xgb.DMatrix(features[order], label=-relative[order], qid=group[order], feature_names=schema.names)
+            booster = xgb.train(XGB_PARAMS, data, num_boost_round=ROUNDS)
+            # A ranking score has no unit: a line through (score, relative target) over the
+            # training rows turns it back into a log time, for explain's milliseconds.
+            scores = booster.predict(xgb.DMatrix(features, feature_names=schema.names)).astype(np.float64)
+            slope, intercept = np.polyfit(scores, relative, 1)
+            model.models[op] = (schema, booster)
+            model.calibration[op] = (float(min(slope, -1e-6)), float(intercept))
             scale = xgb.DMatrix(np.array([schema.problem_row(p) for p in problems]), label=means,
                                 feature_names=list(schema.problem_features))
-            model.scales[op] = xgb.train(XGB_PARAMS, scale, num_boost_round=ROUNDS)
+            model.scales[op] = xgb.train(SCALE_PARAMS, scale, num_boost_round=ROUNDS)
             model.trained_on[op] = sorted({r.problem.key() for r in op_rows})
         return model
 
@@ -404,7 +424,9 @@ class CostModel:
 
         schema, booster = self.models[problem.op]
         features = np.array([schema.row(problem, c, k) for c, k in configs])
-        relative = booster.predict(xgb.DMatrix(features, feature_names=schema.names)).astype(np.float64)
+        slope, intercept = self.calibration[problem.op]
+        scores = booster.predict(xgb.DMatrix(features, feature_names=schema.names)).astype(np.float64)
+        relative = slope * scores + intercept
         mean = float(self.scales[problem.op].predict(
             xgb.DMatrix(np.array([schema.problem_row(problem)]), feature_names=list(schema.problem_features)))[0])
         return np.exp(relative + mean) * problem.bytes_moved
@@ -416,7 +438,7 @@ class CostModel:
         """(the pick, every ranked configuration fastest first): see :func:`pick`; None
         where :meth:`rank` ranks nothing."""
         ranked = self.rank(problem, target)
-        return (pick(ranked, problem, target), ranked) if ranked else None
+        return (pick(ranked), ranked) if ranked else None
 
     def rank(self, problem: Problem, target: Target) -> list[Ranked]:
         """Every applicable candidate the model knows, each with every knob
@@ -433,7 +455,8 @@ class CostModel:
     def save(self, path: str | os.PathLike) -> str:
         ops = {op: {"problem_features": list(schema.problem_features), "candidates": list(schema.candidates),
                     "knobs": list(schema.knobs), "sms": schema.sms, "trained_on": self.trained_on.get(op, []),
-                    "booster": _packed(booster), "scale": _packed(self.scales[op])}
+                    "booster": _packed(booster), "scale": _packed(self.scales[op]),
+                    "calibration": list(self.calibration[op])}
                for op, (schema, booster) in self.models.items()}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as handle:
@@ -453,6 +476,7 @@ class CostModel:
                             entry["sms"])
             model.models[op] = (schema, _unpacked(entry["booster"]))
             model.scales[op] = _unpacked(entry["scale"])
+            model.calibration[op] = tuple(entry["calibration"])
             model.trained_on[op] = list(entry["trained_on"])
         return model
 
@@ -475,20 +499,9 @@ def _fastest_first(configs: Sequence[tuple[str, Knobs]], seconds: np.ndarray) ->
     return [Ranked(configs[i][0], configs[i][1], float(seconds[i])) for i in np.argsort(seconds, kind="stable")]
 
 
-def _with_margin(ranked: Sequence[Ranked], default: str, default_knobs: Knobs) -> Ranked:
-    """The first of ``ranked`` (fastest predicted first), or the default configuration
-    where it is ranked and predicted within ``MARGIN`` of the first."""
-    for entry in ranked:
-        if entry.candidate == default and entry.knobs == default_knobs:
-            return ranked[0] if ranked[0].seconds < (1 - MARGIN) * entry.seconds else entry
+def pick(ranked: Sequence[Ranked]) -> Ranked:
+    """The model's pick from ``ranked`` (fastest predicted first): the first."""
     return ranked[0]
-
-
-def pick(ranked: Sequence[Ranked], problem: Problem, target: Target) -> Ranked:
-    """The model's pick from ``ranked`` (fastest predicted first): the fastest, unless
-    the registry's default is ranked and predicted within ``MARGIN`` of it."""
-    default = registry.default_candidate(problem, target)
-    return _with_margin(ranked, default.name, default.default_for(problem, target))
 
 
 def thinned(cand: Candidate, problem: Problem, target: Target, limit: int | None = None) -> list[Knobs]:
@@ -595,14 +608,13 @@ def evaluate_held_out(train: Sequence[Row], held_out: Sequence[Row], target: Tar
 
 
 def _judged(model: CostModel, held: Problem, test: Sequence[Row], target: Target) -> HeldOut:
-    """How ``model`` picks on ``held`` among the timed ``test`` rows, with the margin
-    rule dispatch uses."""
+    """How ``model`` picks on ``held`` among the timed ``test`` rows, as dispatch does."""
     from scipy.stats import spearmanr
 
     configs = [(r.candidate, r.knobs) for r in test]
     predicted = model.predict_many(held, configs)
     measured = np.array([r.seconds for r in test])
-    chosen = pick(_fastest_first(configs, predicted), held, target)
+    chosen = pick(_fastest_first(configs, predicted))
     pick_seconds = measured[configs.index((chosen.candidate, chosen.knobs))]
     rho = spearmanr(predicted, measured).statistic if len(test) > 2 else float("nan")
     default = registry.default_candidate(held, target)

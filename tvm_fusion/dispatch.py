@@ -139,14 +139,9 @@ def _cost_model_choice(problem: Problem, target: Target, log_dir: str | os.PathL
     if chosen is None:
         return None
     pick, ranked = chosen
-    if pick is ranked[0]:
-        why = f"predicted {pick.seconds * 1e3:.4f} ms"
-        if len(ranked) > 1:
-            why += f"; second best {ranked[1].candidate} [{ranked[1].knobs}] {ranked[1].seconds * 1e3:.4f} ms"
-    else:
-        why = (f"the default, predicted {pick.seconds * 1e3:.4f} ms, kept: the fastest predicted, "
-               f"{ranked[0].candidate} [{ranked[0].knobs}] at {ranked[0].seconds * 1e3:.4f} ms, is within "
-               f"the {cost_model.MARGIN:.0%} margin")
+    why = f"predicted {pick.seconds * 1e3:.4f} ms"
+    if len(ranked) > 1:
+        why += f"; second best {ranked[1].candidate} [{ranked[1].knobs}] {ranked[1].seconds * 1e3:.4f} ms"
     return Choice(pick.candidate, pick.knobs, "cost model",
                   f"no tuning record; cost model in {path}: {why} ({len(ranked)} configurations ranked)")
 

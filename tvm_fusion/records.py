@@ -6,12 +6,19 @@ value per line, appended a record at a time, so a tune that is killed keeps ever
 finished record). Reading goes through :func:`load`, which checks each line on its
 own: a corrupt or truncated line is reported with its file and line number and the
 other records still load.
+
+A log that is only read (the cost model's training grids) may be kept gzipped, as
+``database_workload.json.gz`` and ``database_tuning_record.json.gz``: :func:`load`
+reads those where the plain files are absent, and ``gunzip -k`` gives back the files
+TVM's ``JSONDatabase`` reads. Writing into such a folder is refused (a plain log beside
+the gzipped one would split it); gunzip it first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import json
 import logging
 import os
@@ -50,8 +57,22 @@ def folder(log_dir: str | os.PathLike, target: Target) -> pathlib.Path:
     return pathlib.Path(log_dir) / targets.key(target)
 
 
+def holds_database(path: str | os.PathLike) -> bool:
+    """Whether ``path`` holds a tuning-record file, plain or gzipped."""
+    records = pathlib.Path(path) / RECORDS
+    return records.exists() or _packed(records).exists()
+
+
+def _packed(path: pathlib.Path) -> pathlib.Path:
+    return path.with_name(path.name + ".gz")
+
+
 def json_database(path: str | os.PathLike) -> ms.database.JSONDatabase:
     """The MetaSchedule JSON database in ``path`` (created if missing)."""
+    packed = [p for p in (WORKLOADS, RECORDS) if _packed(pathlib.Path(path) / p).exists()]
+    if packed:
+        raise ValueError(f"{path} holds a gzipped log ({', '.join(p + '.gz' for p in packed)}), which is only read: "
+                         f"gunzip -k it (and remove the .gz files) before writing records there")
     os.makedirs(path, exist_ok=True)
     return ms.database.JSONDatabase(
         path_workload=os.path.join(path, WORKLOADS),
@@ -61,9 +82,14 @@ def json_database(path: str | os.PathLike) -> ms.database.JSONDatabase:
 
 
 def _read_lines(path: pathlib.Path):
-    if not path.exists():
+    """(line number, line) of ``path``'s non-blank lines; of ``path.gz`` where only that exists."""
+    if path.exists():
+        handle = open(path)
+    elif _packed(path).exists():
+        handle = gzip.open(_packed(path), "rt")
+    else:
         return
-    with open(path) as handle:
+    with handle:
         for number, line in enumerate(handle, start=1):
             if line.strip():
                 yield number, line

@@ -466,7 +466,7 @@ def untimed(configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]
             target: Target) -> list[tuple[Problem, registry.Candidate, registry.Knobs]]:
     """``configs`` less those that ``<log_dir>/<target>/`` already holds a timed record of."""
     folder = records.folder(log_dir, target)
-    if not (folder / records.RECORDS).exists():
+    if not records.holds_database(folder):
         return list(configs)
     timed = {(r.problem, r.candidate, r.knobs) for r in cost_model.training_rows(folder, target)}
     return [c for c in configs if (c[0], c[1].name, c[2]) not in timed]
