@@ -148,17 +148,24 @@ def test_the_pick_is_the_fastest_predicted_even_over_the_default():
     assert cost_model.pick(ranked) is ranked[0]
 
 
-def test_the_shipped_model_is_used_only_when_asked(monkeypatch):
-    """The shipped model (beside the grids it was trained on) is off by default, on with
-    TVM_FUSION_COST_MODEL=shipped; a path that is not there is an error naming it."""
+def test_the_shipped_model_picks_unless_turned_off(monkeypatch):
+    """The shipped model (beside the grids it was trained on) picks for a problem
+    without a record by default; TVM_FUSION_COST_MODEL=off gives the heuristic back,
+    =shipped names it; a record still wins; a path that is not there is an error
+    naming it."""
     monkeypatch.delenv(cost_model.MODEL_ENV, raising=False)
     records.invalidate()
-    assert dispatch.choose(UNTUNED, CUDA).source == "heuristic"
     assert cost_model.shipped_model(CUDA).exists()
-    monkeypatch.setenv(cost_model.MODEL_ENV, "shipped")
+    for setting in (None, "shipped"):
+        if setting:
+            monkeypatch.setenv(cost_model.MODEL_ENV, setting)
+            records.invalidate()
+        choice = dispatch.choose(UNTUNED, CUDA)
+        assert choice.source == "cost model" and str(cost_model.shipped_model(CUDA)) in choice.reason
+        assert dispatch.choose(TUNED, CUDA).source == "record"
+    monkeypatch.setenv(cost_model.MODEL_ENV, "off")
     records.invalidate()
-    choice = dispatch.choose(UNTUNED, CUDA)
-    assert choice.source == "cost model" and str(cost_model.shipped_model(CUDA)) in choice.reason
+    assert dispatch.choose(UNTUNED, CUDA).source == "heuristic"
     assert dispatch.choose(TUNED, CUDA).source == "record"
     monkeypatch.setenv(cost_model.MODEL_ENV, "/nonexistent/model.json")
     records.invalidate()
@@ -193,12 +200,22 @@ def test_dispatch_takes_the_models_pick_only_where_no_record_is(model_dir):
     assert dispatch.choose(bn_forward, CUDA, model_dir).source == "heuristic"
 
 
-def test_without_a_model_file_dispatch_is_unchanged(tmp_path):
-    choice = dispatch.choose(UNTUNED, CUDA, tmp_path)
+def test_with_the_model_off_dispatch_is_the_heuristic(model_dir, monkeypatch):
+    """TVM_FUSION_COST_MODEL=off: no model is read, not even one beside the logs, and
+    dispatch picks the registry's default with its default knobs; without it a log
+    folder's own model comes before the shipped one."""
+    monkeypatch.setenv(cost_model.MODEL_ENV, "off")
+    records.invalidate()
+    choice = dispatch.choose(UNTUNED, CUDA, model_dir)
     cand = registry.default_candidate(UNTUNED, CUDA)
     assert choice.source == "heuristic"
     assert (choice.candidate, choice.knobs) == (cand.name, cand.default_for(UNTUNED, CUDA))
-    assert cost_model.find(CUDA, tmp_path) is None  # the shipped logs hold no model file
+    assert cost_model.find(CUDA, model_dir) is None
+    monkeypatch.delenv(cost_model.MODEL_ENV)
+    records.invalidate()
+    path, _ = cost_model.find(CUDA, model_dir)
+    assert path == records.folder(model_dir, CUDA) / cost_model.model_file(CUDA)
+    records.invalidate()
 
 
 def test_leave_one_shape_out_judges_every_shipped_shape(rows):
@@ -343,6 +360,20 @@ def test_a_tune_is_seeded_with_the_models_fastest_predicted_configurations(tmp_p
     llvm = tvm.target.Target("llvm")
     assert tuner.measure_seeds(tf.make_problem("cross_entropy", (64, 1000), "float32"), llvm,
                                tuner.InProcessBuilder(), Runner(), database) == 0
+
+
+def test_the_model_ranks_no_configuration_that_cannot_launch():
+    """A channels-last space holds blocks of rows x channel_lanes past 1024 threads (the
+    H200 grid skipped 16 x 256 on NHWC 24x17x17x768): the model ranks every other
+    thinned configuration and never those."""
+    model = cost_model.CostModel.load(cost_model.shipped_model(CUDA))
+    nhwc = tf.make_problem("bn_stats", (24, 17, 17, 768), "bfloat16", layout="NHWC")
+    cand = registry.get("bn_stats_channels_last")
+    thinned = cost_model.thinned(cand, nhwc, CUDA)
+    too_wide = [k for k in thinned if k.rows * k.channel_lanes > 1024]
+    assert too_wide, "the case needs a thinned configuration past 1024 threads"
+    ranked = [r.knobs for r in model.rank(nhwc, CUDA) if r.candidate == cand.name]
+    assert sorted(map(str, ranked)) == sorted(str(k) for k in thinned if k not in too_wide)
 
 
 def test_the_ranking_orders_each_problem_and_the_scale_keeps_seconds(rows):
