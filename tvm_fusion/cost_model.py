@@ -52,6 +52,7 @@ score's calibration line. Dispatch reads it when a problem has no record, from
 
 from __future__ import annotations
 
+import atexit
 import base64
 import dataclasses
 import gzip
@@ -531,8 +532,12 @@ def thinned(cand: Candidate, problem: Problem, target: Target, limit: int | None
 
 
 # -- what dispatch reads --------------------------------------------------------------
-# Cleared with the choice caches by records.invalidate(): (path, mtime) -> model.
+# Cleared with the choice caches by records.invalidate(): (path, mtime) -> model. Also at
+# exit, while xgboost is still loaded: a Booster freed in the interpreter's teardown printed
+# "Exception ignored in Booster.__del__ ... 'NoneType' object has no attribute
+# 'XGBoosterFree'" after the H200 suite's last test (7567ac1).
 _MODELS: dict[tuple[str, float], CostModel] = records.register_cache({})
+atexit.register(_MODELS.clear)
 
 
 # The shipped model, trained on the H200 grids beside it, is what dispatch uses for a
