@@ -45,9 +45,9 @@ are with ``XGB_PARAMS`` below.
 The model file is ``cost_model_<target key>.json``: per operator the schema and
 xgboost's own JSON models, the ranking one and the scale one (gzipped, base64), and the
 score's calibration line. Dispatch reads it when a problem has no record, from
-``$TVM_FUSION_COST_MODEL`` or beside a target's tuning logs; the shipped H200 one,
-``tuning_logs/cuda_sm_90/grids/cost_model_cuda_sm_90.json``, only when asked
-(``TVM_FUSION_COST_MODEL=shipped``, see ``shipped_model``).
+``$TVM_FUSION_COST_MODEL``, beside a target's tuning logs, or else the shipped H200 one,
+``tuning_logs/cuda_sm_90/grids/cost_model_cuda_sm_90.json`` (see :func:`find`);
+``TVM_FUSION_COST_MODEL=off`` reads none.
 """
 
 from __future__ import annotations
@@ -407,8 +407,9 @@ class CostModel:
                 continue
             relative, problems, means = _split_labels(op_rows)
             features = np.array([schema.row(r.problem, r.candidate, r.knobs) for r in op_rows])
-            # Query groups must be contiguous: the rows come sorted by problem (training_rows).
-            group = np.array([problems.index(r.problem) for r in op_rows])
+            # Query groups must be contiguous: sorted by problem, as training_rows lists them.
+            number = {p: i for i, p in enumerate(problems)}
+            group = np.array([number[r.problem] for r in op_rows])
             order = np.argsort(group, kind="stable")
             data = xgb.DMatrix(features[order], label=-relative[order], qid=group[order], feature_names=schema.names)
             booster = xgb.train(XGB_PARAMS, data, num_boost_round=ROUNDS)

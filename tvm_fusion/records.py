@@ -59,8 +59,8 @@ def folder(log_dir: str | os.PathLike, target: Target) -> pathlib.Path:
 
 def holds_database(path: str | os.PathLike) -> bool:
     """Whether ``path`` holds a tuning-record file, plain or gzipped."""
-    records = pathlib.Path(path) / RECORDS
-    return records.exists() or _packed(records).exists()
+    file = pathlib.Path(path) / RECORDS
+    return file.exists() or _packed(file).exists()
 
 
 def _packed(path: pathlib.Path) -> pathlib.Path:
