@@ -330,7 +330,7 @@ def test_the_presets_hold_out_shapes_no_training_grid_has(capsys, tmp_path):
     assert cli.main(["grid", "--list", "--preset", "held-out", "--ops", "bn_stats", "--target", "cuda",
                      "--max-configs", "2", "--log-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "bn_stats_ncl_40x144x576_float16:" in out and "cross_entropy" not in out
+    assert "bn_stats_ncl_64x512x784_bfloat16:" in out and "cross_entropy" not in out
     assert cli.main(["grid", "--list", "--preset", "training", "--shapes", "8x4", "--target", "cuda"]) == cli.EXIT_USAGE
     assert "give --preset or --shapes" in capsys.readouterr().err
 

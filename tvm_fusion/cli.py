@@ -431,9 +431,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="at most this many configurations a candidate, thinned evenly "
                       "(default: as many as the cost model ranks)")
     grid.add_argument("--list", action="store_true", help="count the configurations only; time nothing")
-    grid.add_argument("--preset", choices=["training", "held-out"],
-                      help="the cost model's shapes (cost_model.TRAINING_SHAPES / HELD_OUT_SHAPES) instead of "
-                      "--shapes; --ops narrows them")
+    grid.add_argument("--preset", choices=["training", "held-out", "training-channels-last"],
+                      help="the cost model's shapes (cost_model.PRESETS: its training shapes, its held-out "
+                      "ones, the training shapes in NHWC) instead of --shapes; --ops narrows them")
     grid.set_defaults(func=cmd_grid)
 
     model = sub.add_parser("cost-model", help="train or evaluate the cost model dispatch uses for shapes "
