@@ -295,12 +295,15 @@ def cmd_grid(args: argparse.Namespace) -> int:
     configs = tuner.grid_configs(problems, target, args.max_configs)
     for problem in problems:
         print(f"  {problem.key()}: {sum(1 for p, _, _ in configs if p == problem)} configurations")
+    todo = configs
+    for folder in [args.log_dir, *(args.skip_timed or [])]:
+        left = tuner.untimed(todo, folder, target)
+        if len(left) < len(todo):
+            print(f"{len(todo) - len(left)} already timed in {cost_model.database_folder(folder, target)}: skipped")
+        todo = left
     if args.list:
-        print(f"{len(configs)} configurations")
+        print(f"{len(configs)} configurations, {len(todo)} of them to time")
         return 0
-    todo = tuner.untimed(configs, args.log_dir, target)
-    if len(todo) < len(configs):
-        print(f"{len(configs) - len(todo)} already timed in {records.folder(args.log_dir, target)}: skipped")
     configs = todo
     bar = tqdm(total=len(configs), unit="config", desc="timing")
 
@@ -430,6 +433,10 @@ def build_parser() -> argparse.ArgumentParser:
     grid.add_argument("--max-configs", dest="max_configs", type=int,
                       help="at most this many configurations a candidate, thinned evenly "
                       "(default: as many as the cost model ranks)")
+    grid.add_argument("--skip-timed", dest="skip_timed", nargs="+", metavar="LOG",
+                      help="also skip what these logs hold timed (read only, gzipped ones too). Time into a "
+                      "fresh --log-dir and merge after: MetaSchedule's JSON database parses a whole log "
+                      "before its first write, which took minutes for the 1500 records of the shipped grids")
     grid.add_argument("--list", action="store_true", help="count the configurations only; time nothing")
     grid.add_argument("--preset", choices=["training", "held-out", "training-channels-last"],
                       help="the cost model's shapes (cost_model.PRESETS: its training shapes, its held-out "
