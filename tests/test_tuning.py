@@ -16,6 +16,7 @@ import time
 import numpy as np
 import pytest
 import tvm
+import tvm_ffi
 
 import tvm_fusion as tf
 from helpers import assert_close, random_floats, rng
@@ -170,6 +171,20 @@ def test_cli_bad_input_is_one_line_and_exit_2(args, words):
     assert len(out.stderr.strip().splitlines()) == 1
 
 
+def test_tune_passes_layout_only_to_batchnorm():
+    """``tune --ops cross_entropy ... --layout NCHW`` raised a TypeError traceback on the
+    H200 (cross entropy has no layout option): the cases now carry each op's options."""
+    from tvm_fusion import cli
+
+    for op, layout in (("cross_entropy", None), ("bn_stats", "NHWC")):
+        args = cli.build_parser().parse_args(["tune", "--ops", op, "--shapes", "8x4x4x2", "--layout", "NHWC"]
+                                             if op == "bn_stats" else
+                                             ["tune", "--ops", op, "--shapes", "8x4", "--layout", "NCHW"])
+        (case,) = cli._cases(args, on_gpu=False)
+        assert case[3].get("layout") == layout
+        tf.make_problem(*case[:3], **case[3])
+
+
 def test_cli_build_writes_library_and_manifest(tmp_path):
     out = subprocess.run(
         CLI + ["build", "--ops", "cross_entropy", "--shapes", "8x100", "--dtype", "float32", "--target", "llvm",
@@ -282,8 +297,8 @@ def test_every_cuda_task_takes_only_its_candidates_postprocs(op, shape):
     """A task of several candidates (a SpaceGeneratorUnion) used to take the target's
     postprocs, whose RewriteUnboundBlock raised on BatchNorm's finalize block (bound to
     blockIdx alone): tuning bn_forward and bn_backward failed on the H200 before the
-    first trial. Now every task's postprocs are VerifyGPUCode alone, and each design
-    space goes through them without an error."""
+    first trial. Now every task's postprocs are KnobsMatch and VerifyGPUCode alone, and
+    each design space goes through them without an error."""
     from tvm_fusion.tuner import tasks_for
 
     layout = "NHWC" if op.startswith("bn") and shape[-1] == 256 else None
@@ -292,10 +307,43 @@ def test_every_cuda_task_takes_only_its_candidates_postprocs(op, shape):
     assert contexts
     for ctx in contexts:
         generator = ctx.space_generator
-        assert [type(p).__name__ for p in generator.postprocs] == ["VerifyGPUCode"], ctx.task_name
+        # KnobsMatch (a Python postprocessor), then TVM's own
+        assert [type(p).__name__ for p in generator.postprocs] == ["_PyPostproc", "VerifyGPUCode"], ctx.task_name
         for sch in generator.generate_design_space(ctx.mod):
             for postproc in generator.postprocs:
                 postproc.apply(sch)  # True or False (too many threads, say), never an error
+
+
+def test_a_replayed_design_space_is_kept_only_where_its_knobs_build_it():
+    """The search replays a design space's trace with other sampled knobs. For
+    bn_stats_channels_last on 16x35x35x288 fp16 NHWC such a replay failed the whole tune
+    on the H200 (get_loops "4 vs. 3": rows=1 folded a unit loop away) or, where the
+    sampled run took the shared-memory row sums, kept them for knobs the candidate builds
+    without them (rows > vector: threads writing the next block's channels). Now every
+    replay applies, and KnobsMatch keeps exactly those equal to their knobs' schedule."""
+    from tvm.s_tir import Schedule, Trace
+    from tvm_fusion import registry
+    from tvm_fusion.compute import prim_func
+    from tvm_fusion.tuner import KnobsMatch, _space_fn
+
+    problem = tf.make_problem("bn_stats", (16, 35, 35, 288), "float16", layout="NHWC")
+    cand = registry.get("bn_stats_channels_last")
+    mod = tvm.IRModule({"main": prim_func(problem, cand.algorithm)})
+    space = Schedule(mod, seed=1)
+    with SM90:
+        _space_fn(cand, problem, SM90)(space)
+    postproc = KnobsMatch(problem, SM90)
+    kept = dropped = 0
+    for seed in range(24):
+        replay = Schedule(mod, seed=seed + 7)
+        with SM90:
+            Trace(list(space.trace.insts), {}).apply_to_schedule(replay, remove_postproc=True)
+        name, knobs = registry.annotated_choice(replay, "bn_stats")
+        built = cand.apply(prim_func(problem, cand.algorithm), SM90, knobs=knobs).mod
+        same = tvm_ffi.structural_equal(replay.mod, built)
+        assert postproc.apply(replay) == same, knobs
+        kept, dropped = kept + same, dropped + (not same)
+    assert kept and dropped
 
 
 def test_tasks_are_made_without_parsing_the_tensor_intrinsics():

@@ -78,18 +78,19 @@ def _options(args: argparse.Namespace) -> dict[str, Any]:
     return opts
 
 
+def _op_options(op: str, options: dict) -> dict:
+    """The command line's problem options that ``op`` takes (--layout is BatchNorm's,
+    --mode the gradient's; the others cross entropy's)."""
+    if op in ("bn_stats", "bn_backward", "bn_backward_dx", "bn_forward"):
+        return {k: v for k, v in options.items() if k == "layout"}
+    return {k: v for k, v in options.items() if k != "layout" and (k != "mode" or op == "cross_entropy_grad")}
+
+
 def _problem(op: str, shape: tuple[int, ...], dtype: str, args: argparse.Namespace):
     from .api import make_problem
 
-    options = _options(args)
-    if op in ("bn_stats", "bn_backward", "bn_backward_dx", "bn_forward"):
-        options = {k: v for k, v in options.items() if k == "layout"}
-    else:
-        options.pop("layout", None)
-        if op != "cross_entropy_grad":
-            options.pop("mode", None)
     try:
-        return make_problem(op, shape, dtype, **options)
+        return make_problem(op, shape, dtype, **_op_options(op, _options(args)))
     except (ValueError, TypeError) as err:
         raise UsageError(str(err)) from None
 
@@ -125,7 +126,7 @@ def _cases(args: argparse.Namespace, on_gpu: bool, benched: bool = False) -> lis
         if len(ops) != 1:
             raise UsageError("--shapes needs exactly one op in --ops")
         dtype = parse_dtype(args.dtype or "float16")
-        cases = [(ops[0], parse_shape(s), dtype, _options(args)) for s in args.shapes]
+        cases = [(ops[0], parse_shape(s), dtype, _op_options(ops[0], _options(args))) for s in args.shapes]
     else:
         defaults = bench.default_cases(on_gpu) if benched else (bench.GPU_CASES if on_gpu else bench.CPU_CASES)
         # the gradient's default shapes are the forward's

@@ -227,7 +227,7 @@ def tasks_for(problem: Problem, target: Target) -> list[ms.TuneContext]:
     by_algorithm: dict[str, list[registry.Candidate]] = {}
     for cand in registry.applicable(problem, target):
         by_algorithm.setdefault(cand.algorithm, []).append(cand)
-    postprocs = [ms.postproc.VerifyGPUCode()] if target.kind.name == "cuda" else []
+    postprocs = [KnobsMatch(problem, target)] + ([ms.postproc.VerifyGPUCode()] if target.kind.name == "cuda" else [])
     contexts = []
     for algorithm, cands in by_algorithm.items():
         spaces = [
@@ -268,6 +268,46 @@ def _space_fn(cand: registry.Candidate, problem: Problem, target: Target) -> Cal
         return sch
 
     return space
+
+
+@derived_object
+class KnobsMatch(ms.postproc.PyPostproc):
+    """Keep a sampled schedule only where it is the one its candidate builds for the
+    knobs it carries (read back from the annotations).
+
+    A design space is one traced run of the candidate's ``schedule`` with sampled knobs,
+    and the search replays that trace with other decisions. Python choices a schedule
+    makes on a knob's value (``knobs_value``) are not in the trace, so a replay keeps the
+    sampled run's path: bn_stats_channels_last's shared-memory row sums
+    (``rows_through_shared``) replayed with rows > vector is the configuration whose
+    threads write the next block's channels, which the candidate itself never builds.
+    On 16x35x35x288 fp16 NHWC 19 of 30 replays differed from their knobs' schedule.
+    Rejected ones are resampled, as for any failed postprocessor."""
+
+    def __init__(self, problem: Problem, target: Target):
+        self.problem, self.target, self.built = problem, target, {}
+
+    def _initialize_with_tune_context(self, context: Any) -> None:
+        pass
+
+    def apply(self, sch: Any) -> bool:
+        try:
+            name, knobs = registry.annotated_choice(sch, self.problem.op)
+        except Exception:  # noqa: BLE001 -- no annotations: not one of ours, leave it
+            return True
+        key = (name, knobs)
+        if key not in self.built:
+            cand = registry.get(name)
+            try:
+                self.built[key] = cand.apply(prim_func(self.problem, cand.algorithm), self.target, knobs=knobs).mod
+            except Exception:  # noqa: BLE001 -- knobs the candidate cannot build
+                self.built[key] = None
+        return self.built[key] is not None and tvm_ffi.structural_equal(sch.mod, self.built[key])
+
+    def clone(self) -> KnobsMatch:
+        twin = KnobsMatch(self.problem, self.target)
+        twin.built = self.built
+        return twin
 
 
 @derived_object

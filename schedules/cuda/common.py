@@ -710,12 +710,14 @@ def rows_through_shared(sch: s_tir.Schedule, name: str, knobs, group: LoopRV, wr
     _, p = sch.get_loops(final)
     split, _ = sch.split(p, [knobs.splits, knobs.rows])
     block_sums = sch.rfactor(split, factor_axis=0)
-    sch.reverse_compute_at(block_sums, group)
+    # Unit loops kept (rows=1, or one channel a group): the loop count, and so the
+    # trace, is then the same for every knob value. A tune replays the design space's
+    # trace with other sampled knobs, and where the count changed MetaSchedule failed
+    # the whole tune ("old_outputs.size() == new_outputs.size() (4 vs. 3)" in
+    # get_loops; 9 of 40 replays on 16x35x35x288 fp16 NHWC, first seen on the H200).
+    sch.reverse_compute_at(block_sums, group, preserve_unit_loops=True)
     sums_out = [sch.cache_write(block_sums, index, "local") for index in range(len(sch.get(block_sums).writes))]
-    below = sch.get_loops(block_sums)[2:]  # under (run, group)
-    if len(below) == 1:  # one channel a group: its unit loop folded away
-        below = [below[0], sch.add_unit_loop(block_sums)]
-    rows, channels = below
+    _, rows, channels = sch.get_loops(block_sums)[2:]  # under (run, group): a unit loop, the rows, the channels
     sch.reorder(channels, rows)
     _, lane_row, lane = sch.split(channels, [None, knobs.rows, knobs.channel_lanes])
     sch.bind(lane_row, "threadIdx.y")
