@@ -346,6 +346,36 @@ def test_a_replayed_design_space_is_kept_only_where_its_knobs_build_it():
     assert kept and dropped
 
 
+@pytest.mark.parametrize("op, shape, dtype, layout", [
+    ("bn_stats", (64, 256, 56, 56), "float16", None), ("bn_stats", (16, 512, 28, 28), "bfloat16", None),
+    ("bn_stats", (16, 35, 35, 288), "float16", "NHWC"), ("bn_forward", (256, 2048, 7, 7), "float16", None),
+    ("bn_backward", (32, 14, 14, 1024), "bfloat16", "NHWC"), ("cross_entropy", (65536, 1000), "float16", None),
+    ("cross_entropy", (16384, 50257), "bfloat16", None), ("cross_entropy_grad", (8192, 128256), "bfloat16", None),
+])
+def test_every_cuda_design_space_replays_with_other_knobs(op, shape, dtype, layout):
+    """Every candidate's design space, replayed with 8 other samples of its knobs as the
+    search does, applies without an error (one that did not failed a whole NHWC tune on
+    the H200), and KnobsMatch keeps some of the replays."""
+    from tvm.s_tir import Schedule, Trace
+    from tvm_fusion import registry
+    from tvm_fusion.compute import prim_func
+    from tvm_fusion.tuner import KnobsMatch, _space_fn
+
+    problem = tf.make_problem(op, shape, dtype, **({"layout": layout} if layout else {}))
+    for cand in registry.applicable(problem, SM90):
+        mod = tvm.IRModule({"main": prim_func(problem, cand.algorithm)})
+        space = Schedule(mod, seed=1)
+        with SM90:
+            _space_fn(cand, problem, SM90)(space)
+        postproc, kept = KnobsMatch(problem, SM90), 0
+        for seed in range(8):
+            replay = Schedule(mod, seed=seed + 7)
+            with SM90:
+                Trace(list(space.trace.insts), {}).apply_to_schedule(replay, remove_postproc=True)
+            kept += postproc.apply(replay)
+        assert kept, cand.name
+
+
 def test_tasks_are_made_without_parsing_the_tensor_intrinsics():
     """``ms.TuneContext`` imports ``tvm.s_tir.tensor_intrin`` (248 TVMScript parses,
     91 of a one-shape CPU tune's 106 s on the CI machine) for intrinsics these spaces
