@@ -176,10 +176,8 @@ def test_tune_passes_layout_only_to_batchnorm():
     H200 (cross entropy has no layout option): the cases now carry each op's options."""
     from tvm_fusion import cli
 
-    for op, layout in (("cross_entropy", None), ("bn_stats", "NHWC")):
-        args = cli.build_parser().parse_args(["tune", "--ops", op, "--shapes", "8x4x4x2", "--layout", "NHWC"]
-                                             if op == "bn_stats" else
-                                             ["tune", "--ops", op, "--shapes", "8x4", "--layout", "NCHW"])
+    for op, shape, given, layout in (("cross_entropy", "8x4", "NCHW", None), ("bn_stats", "8x4x4x2", "NHWC", "NHWC")):
+        args = cli.build_parser().parse_args(["tune", "--ops", op, "--shapes", shape, "--layout", given])
         (case,) = cli._cases(args, on_gpu=False)
         assert case[3].get("layout") == layout
         tf.make_problem(*case[:3], **case[3])
@@ -314,6 +312,24 @@ def test_every_cuda_task_takes_only_its_candidates_postprocs(op, shape):
                 postproc.apply(sch)  # True or False (too many threads, say), never an error
 
 
+def _replays(problem, cand, count: int):
+    """``cand``'s design space on ``problem``, replayed ``count`` times with other knob
+    samples, as MetaSchedule's search draws its population (decisions dropped)."""
+    from tvm.s_tir import Schedule, Trace
+    from tvm_fusion.compute import prim_func
+    from tvm_fusion.tuner import _space_fn
+
+    mod = tvm.IRModule({"main": prim_func(problem, cand.algorithm)})
+    space = Schedule(mod, seed=1)
+    with SM90:
+        _space_fn(cand, problem, SM90)(space)
+    for seed in range(count):
+        replay = Schedule(mod, seed=seed + 7)
+        with SM90:
+            Trace(list(space.trace.insts), {}).apply_to_schedule(replay, remove_postproc=True)
+        yield replay
+
+
 def test_a_replayed_design_space_is_kept_only_where_its_knobs_build_it():
     """The search replays a design space's trace with other sampled knobs. For
     bn_stats_channels_last on 16x35x35x288 fp16 NHWC such a replay failed the whole tune
@@ -321,23 +337,15 @@ def test_a_replayed_design_space_is_kept_only_where_its_knobs_build_it():
     sampled run took the shared-memory row sums, kept them for knobs the candidate builds
     without them (rows > vector: threads writing the next block's channels). Now every
     replay applies, and KnobsMatch keeps exactly those equal to their knobs' schedule."""
-    from tvm.s_tir import Schedule, Trace
     from tvm_fusion import registry
     from tvm_fusion.compute import prim_func
-    from tvm_fusion.tuner import KnobsMatch, _space_fn
+    from tvm_fusion.tuner import KnobsMatch
 
     problem = tf.make_problem("bn_stats", (16, 35, 35, 288), "float16", layout="NHWC")
     cand = registry.get("bn_stats_channels_last")
-    mod = tvm.IRModule({"main": prim_func(problem, cand.algorithm)})
-    space = Schedule(mod, seed=1)
-    with SM90:
-        _space_fn(cand, problem, SM90)(space)
     postproc = KnobsMatch(problem, SM90)
     kept = dropped = 0
-    for seed in range(24):
-        replay = Schedule(mod, seed=seed + 7)
-        with SM90:
-            Trace(list(space.trace.insts), {}).apply_to_schedule(replay, remove_postproc=True)
+    for replay in _replays(problem, cand, 24):
         name, knobs = registry.annotated_choice(replay, "bn_stats")
         built = cand.apply(prim_func(problem, cand.algorithm), SM90, knobs=knobs).mod
         same = tvm_ffi.structural_equal(replay.mod, built)
@@ -356,23 +364,13 @@ def test_every_cuda_design_space_replays_with_other_knobs(op, shape, dtype, layo
     """Every candidate's design space, replayed with 8 other samples of its knobs as the
     search does, applies without an error (one that did not failed a whole NHWC tune on
     the H200), and KnobsMatch keeps some of the replays."""
-    from tvm.s_tir import Schedule, Trace
     from tvm_fusion import registry
-    from tvm_fusion.compute import prim_func
-    from tvm_fusion.tuner import KnobsMatch, _space_fn
+    from tvm_fusion.tuner import KnobsMatch
 
     problem = tf.make_problem(op, shape, dtype, **({"layout": layout} if layout else {}))
     for cand in registry.applicable(problem, SM90):
-        mod = tvm.IRModule({"main": prim_func(problem, cand.algorithm)})
-        space = Schedule(mod, seed=1)
-        with SM90:
-            _space_fn(cand, problem, SM90)(space)
-        postproc, kept = KnobsMatch(problem, SM90), 0
-        for seed in range(8):
-            replay = Schedule(mod, seed=seed + 7)
-            with SM90:
-                Trace(list(space.trace.insts), {}).apply_to_schedule(replay, remove_postproc=True)
-            kept += postproc.apply(replay)
+        postproc = KnobsMatch(problem, SM90)
+        kept = sum(postproc.apply(replay) for replay in _replays(problem, cand, 8))
         assert kept, cand.name
 
 

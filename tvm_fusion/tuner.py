@@ -291,15 +291,12 @@ class KnobsMatch(ms.postproc.PyPostproc):
         pass
 
     def apply(self, sch: Any) -> bool:
-        try:
-            name, knobs = registry.annotated_choice(sch, self.problem.op)
-        except Exception:  # noqa: BLE001 -- no annotations: not one of ours, leave it
-            return True
-        key = (name, knobs)
+        from .kernel import schedule_for
+
+        key = registry.annotated_choice(sch, self.problem.op)  # every space here annotates its choice
         if key not in self.built:
-            cand = registry.get(name)
             try:
-                self.built[key] = cand.apply(prim_func(self.problem, cand.algorithm), self.target, knobs=knobs).mod
+                self.built[key] = schedule_for(self.problem, self.target, *key)[0].mod
             except Exception:  # noqa: BLE001 -- knobs the candidate cannot build
                 self.built[key] = None
         return self.built[key] is not None and tvm_ffi.structural_equal(sch.mod, self.built[key])
