@@ -19,7 +19,7 @@ import xgboost as xgb
 import tvm_fusion as tf
 from helpers import assert_close, random_floats, rng
 from tvm.s_tir import meta_schedule as ms
-from tvm_fusion import cli, cost_model, dispatch, records, registry, targets
+from tvm_fusion import cli, cost_model, dispatch, records, registry, targets, tuner
 from tvm_fusion.compute import prim_func
 from tvm_fusion.contracts import cross_entropy as ce_ref
 
@@ -182,6 +182,24 @@ def test_a_large_space_is_thinned_and_keeps_its_default(monkeypatch):
     assert len(kept) <= 100 and cand.default_for(problem, CUDA) in kept
 
 
+@pytest.mark.parametrize("name, problem", [
+    ("bn_stats_channels_last", tf.make_problem("bn_stats", (32, 14, 14, 1024), "bfloat16", layout="NHWC")),
+    ("cross_entropy_row_in_shared", tf.make_problem("cross_entropy", (24000, 1000), "bfloat16")),
+])
+def test_a_default_outside_its_space_is_ranked_and_timed_too(name, problem):
+    """The heuristic's pick, which the tuner times first, is among what the model ranks
+    and the grid times even where the candidate's product space lacks it (its splits
+    sized to the SMs, 64 threads on a short row); the rest are the evenly thinned space."""
+    cand = registry.get(name)
+    default, space = cand.default_for(problem, CUDA), cand.all_configs(problem, CUDA)
+    assert default not in space and len(space) > cost_model.MAX_CONFIGS
+    kept = cost_model.thinned(cand, problem, CUDA)
+    assert kept[-1] == default and len(kept) == cost_model.MAX_CONFIGS + 1 and set(kept[:-1]) <= set(space)
+    assert any(r.candidate == name and r.knobs == default for r in cost_model.load_cached(
+        cost_model.shipped_model(CUDA)).rank(problem, CUDA))
+    assert (problem, cand, default) in tuner.grid_configs([problem], CUDA)
+
+
 def test_dispatch_takes_the_models_pick_only_where_no_record_is(model_dir):
     model = cost_model.CostModel.load(records.folder(model_dir, CUDA) / cost_model.model_file(CUDA))
     choice = dispatch.choose(UNTUNED, CUDA, model_dir)
@@ -243,8 +261,6 @@ def test_cli_trains_a_model_file_and_reports_a_missing_log(tmp_path, capsys):
 
 
 def test_the_grid_enumerates_every_configuration_of_every_applicable_candidate():
-    from tvm_fusion import tuner
-
     applicable = registry.applicable(TUNED, CUDA)
     configs = tuner.grid_configs([TUNED, UNTUNED], CUDA)  # by default what the model ranks
     assert len(configs) == 2 * sum(min(cost_model.MAX_CONFIGS, len(c.all_configs(TUNED, CUDA))) for c in applicable)
@@ -330,7 +346,7 @@ def test_the_presets_hold_out_shapes_no_training_grid_has(capsys, tmp_path):
     assert cli.main(["grid", "--list", "--preset", "held-out", "--ops", "bn_stats", "--target", "cuda",
                      "--max-configs", "2", "--log-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "bn_stats_ncl_64x512x784_bfloat16:" in out and "cross_entropy" not in out
+    assert "bn_stats_ncl_128x256x784_float16:" in out and "cross_entropy" not in out
     assert cli.main(["grid", "--list", "--preset", "training", "--shapes", "8x4", "--target", "cuda"]) == cli.EXIT_USAGE
     assert "give --preset or --shapes" in capsys.readouterr().err
 
