@@ -49,6 +49,18 @@ def test_tune_writes_a_json_database_that_metaschedule_opens(tuned):
     assert "tvm_fusion.candidate" in trace  # every record says which candidate it came from
 
 
+def test_progress_reports_the_measurements_before_the_search(tmp_path):
+    """The default's time is reported at 0 trials, before the search's first batch, and
+    the result says how long those measurements took (a stalled tune then shows which
+    stage it stalled in)."""
+    calls = []
+    result = tf.tune("bn_stats", shape=(8, 16, 64), dtype="float32", target="llvm", trials=1, log_dir=str(tmp_path),
+                     progress=lambda done, best: calls.append((done, best)))
+    assert calls[0][0] == 0 and 0 < calls[0][1] < float("inf")
+    assert calls[-1][0] == result.searched and calls[-1][1] <= calls[0][1]
+    assert 0 < result.seeded < result.seconds
+
+
 def test_dispatch_uses_the_record_and_explains_why(tuned):
     log_dir, _ = tuned
     problem = tf.make_problem("cross_entropy", SHAPE, "float32")

@@ -172,7 +172,8 @@ def cmd_tune(args: argparse.Namespace) -> int:
         start = time.perf_counter()
         result = tune_many(batch, target, args.trials, args.log_dir, progress)
         print(f"\ntuned {len(batch)} shape(s) in {result.seconds:.1f} s ({time.perf_counter() - start:.1f} s with "
-              f"the set-up); log: {result.log_dir}")
+              f"the set-up; the default and the seeds measured in the first {result.seeded:.1f} s); "
+              f"log: {result.log_dir}")
         if result.searched < result.trials:
             print(f"  the search ran {result.searched} of {result.trials} trials: it found no untried configuration "
                   "(the default and the cost model's seeds are measured before it)")

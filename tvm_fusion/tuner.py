@@ -322,6 +322,13 @@ class Progress(ms.measure_callback.PyMeasureCallback):
                 self.best = min(self.best, float(np.median([float(s) for s in result.run_secs])))
         self.report(self.done, self.best)
 
+    def measured(self, seconds: Sequence[float]) -> None:
+        """Count times measured before the search (the default, the seeds) in the best,
+        not as trials, and report: a progress line that reads "best ..." at 0 trials
+        says the search's first batch is under way, not the measurements before it."""
+        self.best = min([self.best, *seconds])
+        self.report(self.done, self.best)
+
 
 def make_runner(timeout: float = RUN_TIMEOUT_S) -> ms.runner.LocalRunner:
     """The runner of every measurement here: valid arguments, graph-replay timing."""
@@ -333,35 +340,36 @@ def make_runner(timeout: float = RUN_TIMEOUT_S) -> ms.runner.LocalRunner:
     )
 
 
-def measure_default(problem: Problem, target: Target, builder: Any, runner: Any, database: Any) -> bool:
+def measure_default(problem: Problem, target: Target, builder: Any, runner: Any, database: Any) -> list[float]:
     """Measure the registry's untuned pick with the tuning builder and runner and log it,
     so the tuner's pick is never slower than the default it replaces (seen on the H200:
-    a 10-trial tune that never sampled the default could return a slower program)."""
+    a 10-trial tune that never sampled the default could return a slower program).
+    Returns its median seconds, or nothing where it did not build or run."""
     cand = registry.default_candidate(problem, target)
-    return bool(measure_into(database, target, builder, runner, [(problem, cand, cand.default_for(problem, target))]))
+    return measure_into(database, target, builder, runner, [(problem, cand, cand.default_for(problem, target))])
 
 
 SEEDS = 4  # the cost model's fastest predicted configurations measured before a search
 
 
 def measure_seeds(problem: Problem, target: Target, builder: Any, runner: Any, database: Any,
-                  count: int = SEEDS) -> int:
+                  count: int = SEEDS) -> list[float]:
     """Measure and log the cost model's ``count`` fastest predicted configurations of
     ``problem`` (other than the default, which :func:`measure_default` logs), so the
     evolutionary search starts from them: MetaSchedule draws a fifth of its first
     population from the database's best records of the task (``init_measured_ratio``). The model is the one dispatch would
     find, else the shipped one (seeding only adds measured records, and a tune keeps the
     fastest, so the shipped model's held-out misses cost a few trials, not a worse pick).
-    Returns the configurations logged; none without a model for the operator."""
+    Returns the median seconds of those logged; none without a model for the operator."""
     found, shipped = cost_model.find(target), cost_model.shipped_model(target)
     model = found[1] if found is not None else cost_model.load_cached(shipped) if shipped.exists() else None
     if model is None:
-        return 0
+        return []
     default = registry.default_candidate(problem, target)
     default_knobs = default.default_for(problem, target)
     seeds = [r for r in model.rank(problem, target) if (r.candidate, r.knobs) != (default.name, default_knobs)]
     configs = [(problem, registry.get(r.candidate), r.knobs) for r in seeds[:count]]
-    return len(measure_into(database, target, builder, runner, configs)) if configs else 0
+    return measure_into(database, target, builder, runner, configs) if configs else []
 
 
 def measure_into(database: Any, target: Target, builder: Any, runner: Any,
@@ -422,6 +430,7 @@ class TuneResult:
     trials: int  # asked for
     best: dict[str, tuple[str, float]]  # problem key -> (candidate, seconds)
     searched: int = 0  # trials the search ran: fewer than asked when no untried configuration was left
+    seeded: float = 0.0  # seconds of ``seconds`` spent measuring the defaults and seeds before the search
 
 
 def tune(
@@ -458,8 +467,9 @@ def tune(
     start = time.perf_counter()
     with tvm.transform.PassContext(opt_level=3), target:
         for problem in problems:
-            measure_default(problem, target, builder, runner, database)
-            measure_seeds(problem, target, builder, runner, database)
+            counter.measured(measure_default(problem, target, builder, runner, database))
+            counter.measured(measure_seeds(problem, target, builder, runner, database))
+        seeded = time.perf_counter() - start
         ms.tune_tasks(
             tasks=contexts,
             task_weights=[1.0] * len(contexts),
@@ -482,7 +492,7 @@ def tune(
         found = best_record(problem, target, log_dir)
         if found is not None:
             best[problem.key()] = (found.candidate, found.seconds)
-    return TuneResult(str(path), seconds, total, best, counter.done)
+    return TuneResult(str(path), seconds, total, best, counter.done, seeded)
 
 
 # -- grids: every configuration timed, the cost model's training data ---------------------
