@@ -22,6 +22,7 @@ import tvm_fusion as tf
 from helpers import assert_close, random_floats, rng
 from tvm.s_tir import meta_schedule as ms
 from tvm_fusion import dispatch, records, targets
+from tvm_fusion.compute import prim_func
 from tvm_fusion.contracts import cross_entropy as ce_ref
 
 CPU = targets.resolve("llvm")
@@ -100,6 +101,43 @@ def test_corrupt_line_is_reported_with_file_and_line_and_the_rest_loads(tuned, t
     assert f"{records.RECORDS}:2:" in str(problem)
     with pytest.raises(records.LogLineError, match=r"database_tuning_record\.json:2:"):
         records.load(broken, strict=True)
+
+
+def test_dispatch_parses_a_workloads_records_when_asked_and_finds_what_a_full_load_finds():
+    """records.IndexedLog (what dispatch reads) against records.load on the shipped H200
+    log: nothing parsed until asked, then every workload's top records the same."""
+    folder = records.folder(records.SHIPPED, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}))
+    full = records.load(folder).database
+    lazy = records.IndexedLog(folder)
+    assert not lazy.database.get_all_tuning_records()
+    mods = []
+    for record in full.get_all_tuning_records():
+        if not any(tvm_ffi.structural_equal(record.workload.mod, m) for m in mods):
+            mods.append(record.workload.mod)
+    assert len(mods) >= 9
+    seen = lambda db, mod: [(str(r.trace), [float(t) for t in r.run_secs]) for r in db.get_top_k(db.commit_workload(mod), 64)]
+    first = lazy.database_for(mods[0])
+    assert 0 < len(first.get_all_tuning_records()) < len(full.get_all_tuning_records())
+    for mod in mods:
+        assert seen(lazy.database_for(mod), mod) == seen(full, mod)
+    assert len(lazy.database.get_all_tuning_records()) == len(full.get_all_tuning_records())
+    other = tvm.IRModule({"main": prim_func(tf.make_problem("cross_entropy", (3, 5), "float32"), "online")})
+    assert lazy.database_for(other) is None
+
+
+def test_dispatch_skips_a_corrupt_record_naming_its_file_and_line(tuned, tmp_path, caplog):
+    log_dir, _ = tuned
+    source = records.folder(log_dir, CPU)
+    broken = records.folder(tmp_path, CPU)
+    broken.mkdir(parents=True)
+    (broken / records.WORKLOADS).write_text((source / records.WORKLOADS).read_text())
+    good = [line for line in (source / records.RECORDS).read_text().splitlines() if line.strip()]
+    (broken / records.RECORDS).write_text("\n".join([good[0], '[0, {"truncated', *good[1:]]) + "\n")
+    problem = tf.make_problem("cross_entropy", SHAPE, "float32")
+    with caplog.at_level("WARNING", logger="tvm_fusion.records"):
+        found = dispatch.records_of(problem, CPU, tmp_path)
+    assert f"{records.RECORDS}:2:" in caplog.text
+    assert len(found) == len(dispatch.records_of(problem, CPU, log_dir)) > 0
 
 
 def test_a_gzipped_log_loads_like_the_plain_one_and_refuses_writes(tuned, tmp_path):

@@ -73,12 +73,13 @@ def records_of(problem: Problem, target: Target, log_dir: str | os.PathLike | No
     """Every measured record of ``problem`` on ``target``, with its candidate and knobs."""
     found = []
     algorithms = {c.algorithm for c in registry.applicable(problem, target)}
-    for path, db in records.databases(log_dir, target):
+    for path, log in records.databases(log_dir, target):
         for algorithm in ALGORITHMS[problem.op]:
             if algorithm not in algorithms:
                 continue
             mod = tvm.IRModule({"main": prim_func(problem, algorithm)})
-            if not db.has_workload(mod):
+            db = log.database_for(mod)
+            if db is None:
                 continue
             for record in db.get_top_k(db.commit_workload(mod), RECORDS_READ):
                 if record.run_secs:
