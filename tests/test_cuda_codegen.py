@@ -12,7 +12,7 @@ import re
 import pytest
 
 import tvm_fusion as tf
-from tvm_fusion import registry, single_launch, targets
+from tvm_fusion import cost_model, registry, single_launch, targets
 from helpers import candidate_params
 from tvm_fusion.codegen import cuda_report, nvcc_path
 from tvm_fusion.contracts.common import DTYPE_BYTES
@@ -381,3 +381,31 @@ def test_two_level_batch_stage_reduces_across_lanes(op, shape, options, candidat
         assert f"blockIdx.x) * {shape[0] // chunks})" in body  # a block per chunk of rows
     readers = [body for body in bodies if "_rf_ptr" in body and body not in writers]
     assert readers and all(f"threadIdx.x) < {chunks})" in body or chunks % 32 == 0 for body in readers)
+
+
+@pytest.mark.parametrize("op, candidate, splits", [("bn_stats", "bn_stats_split_plane", 50), ("bn_stats", "bn_stats_split_plane", 25),
+                                                  ("bn_forward", "bn_forward_split_plane", 50),
+                                                  ("bn_backward", "bn_backward_split_plane", 50)])
+def test_a_split_plane_configuration_builds_exactly_where_the_candidate_says(op, candidate, splits):
+    """``Candidate.builds`` (what keeps the cost model from ranking a configuration)
+    against TVM's lowering, on 32x96x40x40 bf16 (a run of 6400 vectors a channel): at
+    50 splits the run is 128 vectors, at 25 it is 256, so both threads = run and
+    threads != run occur with every batch."""
+    problem = tf.make_problem(op, (32, 96, 40, 40), "bfloat16")
+    cand = registry.get(candidate)
+    default = cand.default_for(problem, CUDA)
+    outcomes = set()
+    for threads in (128, 256, 512):
+        for unroll in (1, 2, 4):
+            knobs = cand.knobs(**{**default.as_dict(), "splits": splits, "threads": threads, "unroll": unroll})
+            assert knobs in cand.all_configs(problem, CUDA)
+            try:
+                build_kernel(problem, CUDA, candidate, knobs).device_source()
+                built = True
+            except Exception as err:  # noqa: BLE001 - the lowering's InternalError
+                assert "Divide by zero" in str(err), err
+                built = False
+            assert cand.builds(problem, knobs) == built, knobs
+            assert cost_model.launches(problem, candidate, knobs, CUDA) == built
+            outcomes.add(built)
+    assert outcomes == {True, False}

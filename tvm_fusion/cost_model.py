@@ -338,11 +338,13 @@ def launch_shape(problem: Problem, candidate: str, values: dict) -> tuple[int, i
 
 
 def launches(problem: Problem, candidate: str, knobs: Knobs, target: Target) -> bool:
-    """Whether the configuration's blocks fit the target's threads per block. A
-    channels-last space holds rows x channel_lanes up to 16 x 256: a grid skips those
-    past 1024 threads (they do not launch), and the model must not pick one."""
+    """Whether the configuration builds (``Candidate.builds``) and its blocks fit the
+    target's threads per block. A channels-last space holds rows x channel_lanes up to
+    16 x 256: a grid skips those past 1024 threads (they do not launch), and the model
+    must not pick one."""
     limit = int(target.attrs.get("max_num_threads", 1 << 30))
-    return launch_shape(problem, candidate, knobs.as_dict())[1] <= limit
+    return (launch_shape(problem, candidate, knobs.as_dict())[1] <= limit
+            and registry.get(candidate).builds(problem, knobs))
 
 
 def _log2(value: float) -> float:

@@ -72,6 +72,11 @@ class Candidate:
     def default_for(self, problem: Problem, target: Target) -> Knobs:
         raise NotImplementedError
 
+    def builds(self, problem: Problem, knobs: Knobs) -> bool:
+        """False for a configuration of the space that is known not to build (the
+        candidate says why), so the cost model never ranks it; True by default."""
+        return True
+
     def all_configs(self, problem: Problem, target: Target) -> list[Knobs]:
         space = self.choices(problem, target)
         names = list(space)

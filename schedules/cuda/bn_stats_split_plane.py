@@ -34,7 +34,7 @@ from tvm_fusion.contracts import BNStatsProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import lanes_split, single_thread
-from .common import (FINALIZE_THREADS, PARTIAL_BATCHES, PARTIAL_THREADS, even_partials, plane_splits,
+from .common import (FINALIZE_THREADS, PARTIAL_BATCHES, PARTIAL_THREADS, even_partials, lowers, plane_splits,
                      prefers_split_plane, split_plane_partials, widest_vector)
 
 
@@ -75,6 +75,9 @@ class BNStatsSplitPlane(Candidate):
             "vector": [widest_vector(problem.dtype, problem.shape[2])],
             "unroll": list(PARTIAL_BATCHES),
         }
+
+    def builds(self, problem: BNStatsProblem, knobs) -> bool:
+        return lowers(problem, knobs)
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> SplitPlaneKnobs:
         splits, threads, batch = even_partials(problem, target)

@@ -368,6 +368,17 @@ PARTIAL_THREADS = (128, 256, 512)
 PARTIAL_BATCHES = (1, 2, 4, 8)
 
 
+def lowers(problem: Any, knobs: Any) -> bool:
+    """Whether TVM 0.27 lowers a split-plane configuration: where a split's run is
+    exactly ``threads`` vectors and a lane's batch more than one, the lowering divides
+    by zero ("Check failed: pb->value != 0") for all three split-plane candidates
+    (bn_stats 32x96x40x40 bf16 at splits=50, threads=128, unroll=2: one of the H200
+    grid's configurations that did not build). Runs shorter or longer than the lanes,
+    however they fit the batch, lower (14 checked on that shape), and so does a batch
+    of one."""
+    return knobs.unroll == 1 or problem.count // knobs.vector // knobs.splits != knobs.threads
+
+
 def even_partials(problem: Any, target: Target) -> tuple[int, int, int]:
     """Kernel 1's ``(splits, threads, unroll)`` for a split-plane candidate: a run that
     a block's ``threads x unroll`` vectors deal out with no remainder. A remainder puts
@@ -425,6 +436,9 @@ class SplitPlaneMapCandidate(Candidate):
             "map_threads": [128, 256, 512],
             "map_steps": [1, 2, 4, 8],
         }
+
+    def builds(self, problem: Any, knobs: Any) -> bool:
+        return lowers(problem, knobs)
 
     def default_for(self, problem: Any, target: Target) -> SplitPlaneMapKnobs:
         """Kernel 1 by :func:`even_partials`; kernel 3 with 256 lanes of 4 vectors (64
