@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import pathlib
+from collections.abc import Callable
 
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
@@ -96,44 +97,21 @@ def _read_lines(path: pathlib.Path):
 
 
 def load(path: str | os.PathLike, strict: bool = False) -> LoadedLog:
-    """Read a log folder line by line into an in-memory database.
+    """Read a log folder line by line into an in-memory database, every record in the
+    order it was written.
 
     Bad lines are collected in ``problems`` (and logged); with ``strict`` the first
     one raises :class:`LogLineError`."""
-    path = pathlib.Path(path)
-    db = ms.database.MemoryDatabase()
     problems: list[LogLineError] = []
 
-    def bad(file: pathlib.Path, number: int, reason: str) -> None:
-        err = LogLineError(str(file), number, reason)
+    def bad(err: LogLineError) -> None:
         if strict:
             raise err
         log.warning("skipping %s", err)
         problems.append(err)
 
-    workloads: list[ms.database.Workload] = []
-    for number, line in _read_lines(path / WORKLOADS):
-        try:
-            workloads.append(ms.database.Workload.from_json(json.loads(line)))
-        except Exception as err:  # noqa: BLE001 - any unreadable line is reported alike
-            bad(path / WORKLOADS, number, f"not a workload ({_short(err)})")
-            workloads.append(None)
-    count = 0
-    for number, line in _read_lines(path / RECORDS):
-        try:
-            entry = json.loads(line)
-            index = int(entry[0])
-            workload = workloads[index]
-            if workload is None:
-                raise ValueError(f"refers to unreadable workload #{index}")
-            record = ms.database.TuningRecord.from_json(entry[1], workload)
-        except Exception as err:  # noqa: BLE001
-            bad(path / RECORDS, number, f"not a tuning record ({_short(err)})")
-            continue
-        db.commit_workload(workload.mod)
-        db.commit_tuning_record(record)
-        count += 1
-    return LoadedLog(db, count, problems)
+    indexed = IndexedLog(path, bad)
+    return LoadedLog(indexed.database, indexed.parse(), problems)
 
 
 def merge(sources: list[str | os.PathLike], destination: str | os.PathLike) -> int:
@@ -209,23 +187,24 @@ class IndexedLog:
     the first time :meth:`database_for` is asked for it. Parsing the records' traces is
     most of a :func:`load` (the 289 records of the shipped H200 log: 2.5 s of 2.6 s on
     the 2-core CI machine, paid by each process's first CUDA call), and a process asks
-    for a few workloads. Lines that cannot be read are logged as :func:`load` logs
-    them: the workloads and the records' JSON at once, a record's trace when its
-    workload is first asked for."""
+    for a few workloads. A line that cannot be read goes to ``bad`` (by default it is
+    logged): the workloads and the records' JSON at once, a record's trace when it is
+    parsed."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, bad: Callable[[LogLineError], None] | None = None):
         self.path = pathlib.Path(path)
         self.database = ms.database.MemoryDatabase()
-        self._workloads: list[tuple[ms.database.Workload, ms.database.Workload] | None] = []
-        self._pending: dict[int, list[tuple[int, object]]] = {}  # workload line -> (record line, its JSON)
+        self._bad = bad or (lambda err: log.warning("skipping %s", err))
+        self._workloads: list[ms.database.Workload | None] = []  # by line, as the database holds it
+        self._pending: list[tuple[int, int, object]] = []  # (record line, workload line, its JSON)
         for number, line in _read_lines(self.path / WORKLOADS):
             try:
                 workload = ms.database.Workload.from_json(json.loads(line))
             except Exception as err:  # noqa: BLE001 - any unreadable line is reported alike
-                self._bad(WORKLOADS, number, f"not a workload ({_short(err)})")
+                self._report(WORKLOADS, number, f"not a workload ({_short(err)})")
                 self._workloads.append(None)
                 continue
-            self._workloads.append((self.database.commit_workload(workload.mod), workload))
+            self._workloads.append(self.database.commit_workload(workload.mod))
         for number, line in _read_lines(self.path / RECORDS):
             try:
                 entry = json.loads(line)
@@ -233,30 +212,39 @@ class IndexedLog:
                 if not 0 <= index < len(self._workloads) or self._workloads[index] is None:
                     raise ValueError(f"refers to unreadable workload #{index}")
             except Exception as err:  # noqa: BLE001
-                self._bad(RECORDS, number, f"not a tuning record ({_short(err)})")
+                self._report(RECORDS, number, f"not a tuning record ({_short(err)})")
                 continue
-            self._pending.setdefault(index, []).append((number, entry[1]))
+            self._pending.append((number, index, entry[1]))
+
+    def parse(self, workload: ms.database.Workload | None = None) -> int:
+        """Parse the records not yet parsed (of ``workload`` only, when given) into
+        :attr:`database`, in the order they were written; returns how many were read."""
+        wanted, kept = [], []
+        for pending in self._pending:
+            mine = workload is None or self._workloads[pending[1]].same_as(workload)
+            (wanted if mine else kept).append(pending)
+        self._pending = kept
+        count = 0
+        for number, index, entry in wanted:
+            try:
+                record = ms.database.TuningRecord.from_json(entry, self._workloads[index])
+            except Exception as err:  # noqa: BLE001
+                self._report(RECORDS, number, f"not a tuning record ({_short(err)})")
+                continue
+            self.database.commit_tuning_record(record)
+            count += 1
+        return count
 
     def database_for(self, mod) -> ms.database.MemoryDatabase | None:
         """The in-memory database with every readable record of ``mod``'s workload, or
         None when the log has no such workload."""
         if not self.database.has_workload(mod):
             return None
-        committed = self.database.commit_workload(mod)
-        for index, pair in enumerate(self._workloads):
-            if pair is None or index not in self._pending or not pair[0].same_as(committed):
-                continue
-            for number, entry in self._pending.pop(index):
-                try:
-                    record = ms.database.TuningRecord.from_json(entry, pair[1])
-                except Exception as err:  # noqa: BLE001
-                    self._bad(RECORDS, number, f"not a tuning record ({_short(err)})")
-                    continue
-                self.database.commit_tuning_record(record)
+        self.parse(self.database.commit_workload(mod))
         return self.database
 
-    def _bad(self, name: str, number: int, reason: str) -> None:
-        log.warning("skipping %s", LogLineError(str(self.path / name), number, reason))
+    def _report(self, name: str, number: int, reason: str) -> None:
+        self._bad(LogLineError(str(self.path / name), number, reason))
 
 
 @functools.lru_cache(maxsize=16)
