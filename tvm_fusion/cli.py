@@ -280,7 +280,7 @@ def cmd_cost_model(args: argparse.Namespace) -> int:
 def cmd_grid(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    from . import cost_model, records, tuner
+    from . import cost_model, records, registry, tuner
 
     target = _default_target(args)
     if args.max_configs is not None and args.max_configs < 1:
@@ -295,6 +295,13 @@ def cmd_grid(args: argparse.Namespace) -> int:
     problems = [_problem(op, shape, dtype, argparse.Namespace(**{**vars(args), **options}))
                 for op, shape, dtype, options in cases]
     configs = tuner.grid_configs(problems, target, args.max_configs)
+    if args.candidates:
+        known = {c.name for c in registry.all_candidates() if c.target_kind == target.kind.name}
+        unknown = sorted(set(args.candidates) - known)
+        if unknown:
+            raise UsageError(f"--candidates: no {target.kind.name} candidate named {', '.join(unknown)} "
+                             f"(known: {', '.join(sorted(known))})")
+        configs = [(p, c, k) for p, c, k in configs if c.name in args.candidates]
     for problem in problems:
         print(f"  {problem.key()}: {sum(1 for p, _, _ in configs if p == problem)} configurations")
     todo = configs
@@ -439,6 +446,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also skip what these logs hold timed (read only, gzipped ones too). Time into a "
                       "fresh --log-dir and merge after: MetaSchedule's JSON database parses a whole log "
                       "before its first write, which took minutes for the 1500 records of the shipped grids")
+    grid.add_argument("--candidates", nargs="+", metavar="NAME",
+                      help="only these registry candidates (default: every applicable one)")
     grid.add_argument("--list", action="store_true", help="count the configurations only; time nothing")
     grid.add_argument("--preset", choices=["training", "held-out", "training-channels-last"],
                       help="the cost model's shapes (cost_model.PRESETS: its training shapes, its held-out "

@@ -77,6 +77,12 @@ class Candidate:
         candidate says why), so the cost model never ranks it; True by default."""
         return True
 
+    def near_default(self, problem: Problem, target: Target) -> list[Knobs]:
+        """Configurations next to the default that the cost model should rank and the
+        grids time besides the evenly thinned space (``cost_model.thinned``), most
+        promising first; none by default."""
+        return []
+
     def all_configs(self, problem: Problem, target: Target) -> list[Knobs]:
         space = self.choices(problem, target)
         names = list(space)
