@@ -368,6 +368,16 @@ def test_the_grid_pipeline_builds_and_logs_every_configuration_once(workers, tmp
         tvm.ir.assert_structural_equal(before.workload.mod, after.workload.mod)
 
 
+def test_training_rows_of_some_problems_parse_only_theirs():
+    """With ``problems``, training_rows returns the same rows as a full read filtered to
+    them (``tuner.untimed`` reads the shipped grids so: 65 s for a full read on the CI
+    machine, 2 s for two problems)."""
+    every = cost_model.training_rows(records.SHIPPED, CUDA)
+    two = sorted({r.problem for r in every}, key=lambda p: p.key())[:2]
+    assert cost_model.training_rows(records.SHIPPED, CUDA, two) == [r for r in every if r.problem in two]
+    assert cost_model.training_rows(records.SHIPPED, CUDA, []) == []
+
+
 def test_the_presets_hold_out_shapes_no_training_grid_has(capsys, tmp_path):
     """The held-out shapes (fixed before any grid) are at least 12, of both operators,
     none of them a training shape; ``grid --preset`` lists them, ``--ops`` narrows."""

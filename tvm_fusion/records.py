@@ -235,6 +235,10 @@ class IndexedLog:
             count += 1
         return count
 
+    def workloads(self) -> list[ms.database.Workload]:
+        """The log's readable workloads, each once, in the order first written."""
+        return list({id(w): w for w in self._workloads if w is not None}.values())
+
     def database_for(self, mod) -> ms.database.MemoryDatabase | None:
         """The in-memory database with every readable record of ``mod``'s workload, or
         None when the log has no such workload."""

@@ -516,7 +516,8 @@ def untimed(configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]
     folder = cost_model.database_folder(log_dir, target)
     if not records.holds_database(folder):
         return list(configs)
-    timed = {(r.problem, r.candidate, r.knobs) for r in cost_model.training_rows(folder, target)}
+    problems = {c[0] for c in configs}
+    timed = {(r.problem, r.candidate, r.knobs) for r in cost_model.training_rows(folder, target, problems)}
     return [c for c in configs if (c[0], c[1].name, c[2]) not in timed]
 
 
