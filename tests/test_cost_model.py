@@ -10,6 +10,7 @@ from the GPU host."""
 import dataclasses
 import json
 import math
+import os
 
 import numpy as np
 import pytest
@@ -418,6 +419,60 @@ def test_a_tune_is_seeded_with_the_models_fastest_predicted_configurations(tmp_p
     llvm = tvm.target.Target("llvm")
     assert tuner.measure_seeds(tf.make_problem("cross_entropy", (64, 1000), "float32"), llvm,
                                tuner.InProcessBuilder(), Runner(), database) == []
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_cuda_tune_times_the_default_and_seeds_first_and_builds_its_search_side_by_side(
+        workers, tmp_path, monkeypatch):
+    """tune() starts the runner on a thread and builds the default and the model's seeds
+    meanwhile, times them first, then searches; with more than 2 cores a CUDA search
+    builds on a pool of worker processes (PooledBuilder), on 2 in this process. Without
+    a GPU: a stand-in runner times each built configuration by the order it ran in."""
+    from tvm.ir.utils import derived_object
+    from tvm_fusion import tuner
+
+    monkeypatch.delenv(cost_model.MODEL_ENV, raising=False)
+    records.invalidate()
+    order = []
+
+    @derived_object
+    class Future(ms.runner.PyRunnerFuture):
+        def __init__(self, seconds):
+            super().__init__()
+            self.seconds = seconds
+
+        def done(self):
+            return True
+
+        def result(self):
+            return ms.runner.RunnerResult([self.seconds], None)
+
+    @derived_object
+    class Runner(ms.runner.PyRunner):
+        def run(self, inputs):
+            futures = []
+            for item in inputs:
+                assert os.path.getsize(item.artifact_path) > 0  # built, and not yet removed
+                order.append(item.artifact_path)
+                futures.append(Future(1e-4 / len(order)))  # each later one faster
+            return futures
+
+    built_in_pool = []
+    real_submit = tuner.PoolBuilder.submit
+    monkeypatch.setattr(tuner, "workers", lambda: workers)
+    monkeypatch.setattr(tuner, "make_runner", lambda timeout=0: Runner())
+    monkeypatch.setattr(tuner.PoolBuilder, "submit",
+                        lambda self, mods, target: built_in_pool.extend(mods) or real_submit(self, mods, target))
+    result = tuner.tune([UNTUNED], CUDA, trials=4, log_dir=str(tmp_path))
+    first = tuner.first_configs(UNTUNED, CUDA)
+    assert len(first) == 1 + tuner.SEEDS
+    logged = records.load(records.folder(tmp_path, CUDA), strict=True).database.get_all_tuning_records()
+    replayed = [registry.replayed_choice(r, "cross_entropy") for r in logged]
+    assert [(c, str(k)) for c, k, _, _ in replayed[:len(first)]] == [(c.name, str(k)) for _, c, k in first]
+    assert len(logged) == len(order) == len(first) + result.searched and result.searched >= 1
+    assert 0 < result.seeded < result.seconds
+    assert result.best[UNTUNED.key()][1] == pytest.approx(1e-4 / len(order))  # the fastest: the last run
+    assert len(built_in_pool) == (result.searched if workers > 2 else 0)
 
 
 def test_the_model_ranks_no_configuration_that_cannot_launch():

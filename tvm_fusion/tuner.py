@@ -19,15 +19,20 @@ instead of searching, with the same builder and runner, into the same database: 
 cost model's training data (:mod:`tvm_fusion.cost_model`).
 
 Builds run in this process (:class:`InProcessBuilder`): one of these kernels builds
-in about 0.1 s, while the stock LocalBuilder starts a fresh pool of worker processes
-for every batch, each importing TVM: on a 2-core machine that start-up was nearly
-all of a tune's time. A grid, thousands of configurations, builds on a
+in about 0.1 s on the CPU, while the stock LocalBuilder starts a fresh pool of worker
+processes for every batch, each importing TVM: on a 2-core machine that start-up was
+nearly all of a tune's time. A grid, thousands of configurations, builds on a
 :class:`PoolBuilder` instead where there are more than 2 cores: its worker processes
-start once, and build the next batch while the runner times this one.
+start once, and build the next batch while the runner times this one. A CUDA tune's
+search does too (:class:`PooledBuilder`), and :func:`tune` starts the runner on a
+thread while it builds the default and the seeds: on the H200 host a CUDA build (NVRTC)
+took 1.4 s, one after another 18 of a profiled tune's 29-34 s, and the runner's start
+(its worker process importing this package) 8-9 s before the tune began.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -150,8 +155,28 @@ class PoolBuilder:
         except Exception as err:  # noqa: BLE001 -- a failed trial, as LocalBuilder reports it
             return ms.builder.BuilderResult(None, f"PoolBuilder: {type(err).__name__}: {err}")
 
+    def warm(self, count: int) -> None:
+        """Start ``count`` workers now (each imports TVM and this package), not at the
+        first build."""
+        for _ in range(count):
+            self._pool.submit(int)
+
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)
+
+
+@derived_object
+class PooledBuilder(ms.builder.PyBuilder):
+    """MetaSchedule builder on a :class:`PoolBuilder`: a search batch's candidates
+    compile side by side; a failed build is reported in its result, not raised."""
+
+    def __init__(self, pool: PoolBuilder):
+        super().__init__()
+        self.pool = pool
+
+    def build(self, build_inputs: list[ms.builder.BuilderInput]) -> list[ms.builder.BuilderResult]:
+        futures = [self.pool.submit([item.mod], item.target)[0] for item in build_inputs]
+        return [PoolBuilder.result(future) for future in futures]
 
 
 def alloc_valid_arguments(device: Any, args_info: Sequence[Any], alloc_repeat: int) -> list[list[Any]]:
@@ -345,8 +370,7 @@ def measure_default(problem: Problem, target: Target, builder: Any, runner: Any,
     so the tuner's pick is never slower than the default it replaces (seen on the H200:
     a 10-trial tune that never sampled the default could return a slower program).
     Returns its median seconds, or nothing where it did not build or run."""
-    cand = registry.default_candidate(problem, target)
-    return measure_into(database, target, builder, runner, [(problem, cand, cand.default_for(problem, target))])
+    return measure_into(database, target, builder, runner, first_configs(problem, target, seeds=0))
 
 
 SEEDS = 4  # the cost model's fastest predicted configurations measured before a search
@@ -361,15 +385,26 @@ def measure_seeds(problem: Problem, target: Target, builder: Any, runner: Any, d
     find, else the shipped one (seeding only adds measured records, and a tune keeps the
     fastest, so the shipped model's held-out misses cost a few trials, not a worse pick).
     Returns the median seconds of those logged; none without a model for the operator."""
+    configs = first_configs(problem, target, seeds=count)[1:]
+    return measure_into(database, target, builder, runner, configs) if configs else []
+
+
+def first_configs(problem: Problem, target: Target,
+                  seeds: int = SEEDS) -> list[tuple[Problem, registry.Candidate, registry.Knobs]]:
+    """What a tune measures before its search: the registry's default, then the cost
+    model's ``seeds`` fastest predicted other configurations (none without a model for
+    the operator). The model is the one dispatch would find, else the shipped one."""
+    default = registry.default_candidate(problem, target)
+    default_knobs = default.default_for(problem, target)
+    configs = [(problem, default, default_knobs)]
+    if seeds < 1:
+        return configs
     found, shipped = cost_model.find(target), cost_model.shipped_model(target)
     model = found[1] if found is not None else cost_model.load_cached(shipped) if shipped.exists() else None
     if model is None:
-        return []
-    default = registry.default_candidate(problem, target)
-    default_knobs = default.default_for(problem, target)
-    seeds = [r for r in model.rank(problem, target) if (r.candidate, r.knobs) != (default.name, default_knobs)]
-    configs = [(problem, registry.get(r.candidate), r.knobs) for r in seeds[:count]]
-    return measure_into(database, target, builder, runner, configs) if configs else []
+        return configs
+    ranked = [r for r in model.rank(problem, target) if (r.candidate, r.knobs) != (default.name, default_knobs)]
+    return configs + [(problem, registry.get(r.candidate), r.knobs) for r in ranked[:seeds]]
 
 
 def measure_into(database: Any, target: Target, builder: Any, runner: Any,
@@ -448,14 +483,24 @@ def tune(
     contexts = [ctx for tasks in per_problem for ctx in tasks]
     if not contexts:
         raise ValueError(f"tune: no candidate applies to {[p.key() for p in problems]} on {target.kind.name}")
+    # The runner's start (its worker imports this package: 8-9 s on the H200 host) runs on
+    # a thread while this one builds the default and the seeds.
+    starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="tvm_fusion-runner")
+    starting = starter.submit(make_runner, runner_timeout)
+    starter.shutdown(wait=False)
     path = records.folder(log_dir, target)
     database = records.json_database(path)
     total = trials * len(problems)
     builder = InProcessBuilder()
-    runner = make_runner(runner_timeout)
     # Small batches, so the task scheduler can share a shape's trials among its
     # decompositions (a 10-trial budget in one batch once went to one task alone).
     per_iter = max(2, trials // (2 * max(len(tasks) for tasks in per_problem)))
+    # A CUDA search builds each batch side by side (NVRTC: 1.4 s a build on the H200
+    # host); its workers start now, with the runner. Not on 2 cores, where the workers'
+    # start would cost more than it saves, nor for LLVM builds (0.1 s).
+    pool = PoolBuilder(min(per_iter, workers())) if target.kind.name == "cuda" and workers() > 2 else None
+    if pool is not None:
+        pool.warm(min(per_iter, workers()))
     callbacks = [
         ms.measure_callback.AddToDatabase(),
         ms.measure_callback.RemoveBuildArtifact(),
@@ -465,25 +510,32 @@ def tune(
     callbacks.append(counter)
     _no_interactive_table()
     start = time.perf_counter()
-    with tvm.transform.PassContext(opt_level=3), target:
-        for problem in problems:
-            counter.measured(measure_default(problem, target, builder, runner, database))
-            counter.measured(measure_seeds(problem, target, builder, runner, database))
-        seeded = time.perf_counter() - start
-        ms.tune_tasks(
-            tasks=contexts,
-            task_weights=[1.0] * len(contexts),
-            work_dir=str(path),
-            max_trials_global=total,
-            max_trials_per_task=trials,
-            num_trials_per_iter=per_iter,
-            builder=builder,
-            runner=runner,
-            database=database,
-            cost_model=ms.cost_model.XGBModel(extractor=ms.feature_extractor.PerStoreFeature(), adaptive_training=True),
-            measure_callbacks=callbacks,
-            task_scheduler="gradient",
-        )
+    try:
+        with tvm.transform.PassContext(opt_level=3), target:
+            # The defaults and the seeds: built here while the runner starts, then timed.
+            scheduled = _scheduled([c for problem in problems for c in first_configs(problem, target)], target)
+            built = builder.build([ms.builder.BuilderInput(sch.mod, target) for _, sch in scheduled])
+            runner = starting.result()
+            counter.measured(_log_runs(database, target, _start_runs(runner, target, scheduled, built)))
+            seeded = time.perf_counter() - start
+            ms.tune_tasks(
+                tasks=contexts,
+                task_weights=[1.0] * len(contexts),
+                work_dir=str(path),
+                max_trials_global=total,
+                max_trials_per_task=trials,
+                num_trials_per_iter=per_iter,
+                builder=builder if pool is None else PooledBuilder(pool),
+                runner=runner,
+                database=database,
+                cost_model=ms.cost_model.XGBModel(extractor=ms.feature_extractor.PerStoreFeature(),
+                                                  adaptive_training=True),
+                measure_callbacks=callbacks,
+                task_scheduler="gradient",
+            )
+    finally:
+        if pool is not None:
+            pool.close()
     seconds = time.perf_counter() - start
     from .dispatch import best_record
 
