@@ -396,7 +396,7 @@ def test_the_presets_hold_out_shapes_no_training_grid_has(capsys, tmp_path):
 
 def test_a_tune_is_seeded_with_the_models_fastest_predicted_configurations(tmp_path, monkeypatch):
     """measure_seeds logs the shipped model's 4 fastest predicted configurations other
-    than the default (which measure_default logs), so MetaSchedule's first population
+    than the default (which tune measures with them), so MetaSchedule's first population
     can start from them; without a model for the target it logs nothing."""
     from tvm_fusion import tuner
 

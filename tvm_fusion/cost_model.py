@@ -398,16 +398,18 @@ def training_rows(log_dirs: str | os.PathLike | Iterable[str | os.PathLike], tar
     with ``problems`` only their workloads' records are parsed."""
     if isinstance(log_dirs, (str, os.PathLike)):
         log_dirs = [log_dirs]
-    wanted = None if problems is None else set(problems)
+    keep = None
+    if problems is not None:
+        wanted = set(problems)
+
+        def keep(workload) -> bool:
+            func = workload.mod["main"]
+            return "tvm_fusion.problem" in func.attrs and problem_of(func) in wanted
+
     timed: dict[tuple, list[float]] = {}
     for base in log_dirs:
         log = records.IndexedLog(database_folder(base, target))
-        if wanted is None:
-            log.parse()
-        for workload in log.workloads() if wanted is not None else []:
-            func = workload.mod["main"]
-            if "tvm_fusion.problem" in func.attrs and problem_of(func) in wanted:
-                log.parse(workload)
+        log.parse(keep)
         for record in log.database.get_all_tuning_records():
             func = record.workload.mod["main"]
             if not record.run_secs or "tvm_fusion.problem" not in func.attrs:

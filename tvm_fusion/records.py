@@ -216,14 +216,18 @@ class IndexedLog:
                 continue
             self._pending.append((number, index, entry[1]))
 
-    def parse(self, workload: ms.database.Workload | None = None) -> int:
-        """Parse the records not yet parsed (of ``workload`` only, when given) into
-        :attr:`database`, in the order they were written; returns how many were read."""
-        wanted, kept = [], []
+    def parse(self, keep: Callable[[ms.database.Workload], bool] | None = None) -> int:
+        """Parse the records not yet parsed (of the workloads ``keep`` accepts, when
+        given: asked once a workload) into :attr:`database`, in the order they were
+        written; returns how many were read."""
+        kept_workloads: dict[int, bool] = {}
+        wanted, left = [], []
         for pending in self._pending:
-            mine = workload is None or self._workloads[pending[1]].same_as(workload)
-            (wanted if mine else kept).append(pending)
-        self._pending = kept
+            index = pending[1]
+            if index not in kept_workloads:
+                kept_workloads[index] = keep is None or keep(self._workloads[index])
+            (wanted if kept_workloads[index] else left).append(pending)
+        self._pending = left
         count = 0
         for number, index, entry in wanted:
             try:
@@ -235,16 +239,13 @@ class IndexedLog:
             count += 1
         return count
 
-    def workloads(self) -> list[ms.database.Workload]:
-        """The log's readable workloads, each once, in the order first written."""
-        return list({id(w): w for w in self._workloads if w is not None}.values())
-
     def database_for(self, mod) -> ms.database.MemoryDatabase | None:
         """The in-memory database with every readable record of ``mod``'s workload, or
         None when the log has no such workload."""
         if not self.database.has_workload(mod):
             return None
-        self.parse(self.database.commit_workload(mod))
+        workload = self.database.commit_workload(mod)
+        self.parse(workload.same_as)
         return self.database
 
     def _report(self, name: str, number: int, reason: str) -> None:

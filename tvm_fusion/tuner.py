@@ -143,6 +143,8 @@ class PoolBuilder:
 
         self._pool = concurrent.futures.ProcessPoolExecutor(
             max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_import_package)
+        for _ in range(workers):  # start them now (each imports TVM and this package), not at the first build
+            self._pool.submit(int)
 
     def submit(self, mods: Sequence[Any], target: Target) -> list[Any]:
         config = target.export()
@@ -154,12 +156,6 @@ class PoolBuilder:
             return ms.builder.BuilderResult(future.result(), None)
         except Exception as err:  # noqa: BLE001 -- a failed trial, as LocalBuilder reports it
             return ms.builder.BuilderResult(None, f"PoolBuilder: {type(err).__name__}: {err}")
-
-    def warm(self, count: int) -> None:
-        """Start ``count`` workers now (each imports TVM and this package), not at the
-        first build."""
-        for _ in range(count):
-            self._pool.submit(int)
 
     def close(self) -> None:
         self._pool.shutdown(cancel_futures=True)
@@ -365,21 +361,13 @@ def make_runner(timeout: float = RUN_TIMEOUT_S) -> ms.runner.LocalRunner:
     )
 
 
-def measure_default(problem: Problem, target: Target, builder: Any, runner: Any, database: Any) -> list[float]:
-    """Measure the registry's untuned pick with the tuning builder and runner and log it,
-    so the tuner's pick is never slower than the default it replaces (seen on the H200:
-    a 10-trial tune that never sampled the default could return a slower program).
-    Returns its median seconds, or nothing where it did not build or run."""
-    return measure_into(database, target, builder, runner, first_configs(problem, target, seeds=0))
-
-
 SEEDS = 4  # the cost model's fastest predicted configurations measured before a search
 
 
 def measure_seeds(problem: Problem, target: Target, builder: Any, runner: Any, database: Any,
                   count: int = SEEDS) -> list[float]:
     """Measure and log the cost model's ``count`` fastest predicted configurations of
-    ``problem`` (other than the default, which :func:`measure_default` logs), so the
+    ``problem`` (other than the default, which :func:`tune` measures with them), so the
     evolutionary search starts from them: MetaSchedule draws a fifth of its first
     population from the database's best records of the task (``init_measured_ratio``). The model is the one dispatch would
     find, else the shipped one (seeding only adds measured records, and a tune keeps the
@@ -411,9 +399,12 @@ def measure_into(database: Any, target: Target, builder: Any, runner: Any,
                  configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]]) -> list[float]:
     """Build, time and log each ``(problem, candidate, knobs)`` as a tuning record of
     ``database``; a configuration that fails to build or run (too many threads for
-    the block, say) is skipped. Returns the median seconds of those logged."""
+    the block, say) is skipped. Returns the median seconds of those logged. ``runner``
+    may be a future of one still starting: the builds go first."""
     scheduled = _scheduled(configs, target)
     built = builder.build([ms.builder.BuilderInput(sch.mod, target) for _, sch in scheduled])
+    if isinstance(runner, concurrent.futures.Future):
+        runner = runner.result()
     return _log_runs(database, target, _start_runs(runner, target, scheduled, built))
 
 
@@ -499,8 +490,6 @@ def tune(
     # host); its workers start now, with the runner. Not on 2 cores, where the workers'
     # start would cost more than it saves, nor for LLVM builds (0.1 s).
     pool = PoolBuilder(min(per_iter, workers())) if target.kind.name == "cuda" and workers() > 2 else None
-    if pool is not None:
-        pool.warm(min(per_iter, workers()))
     callbacks = [
         ms.measure_callback.AddToDatabase(),
         ms.measure_callback.RemoveBuildArtifact(),
@@ -513,10 +502,9 @@ def tune(
     try:
         with tvm.transform.PassContext(opt_level=3), target:
             # The defaults and the seeds: built here while the runner starts, then timed.
-            scheduled = _scheduled([c for problem in problems for c in first_configs(problem, target)], target)
-            built = builder.build([ms.builder.BuilderInput(sch.mod, target) for _, sch in scheduled])
+            first = [c for problem in problems for c in first_configs(problem, target)]
+            counter.measured(measure_into(database, target, builder, starting, first))
             runner = starting.result()
-            counter.measured(_log_runs(database, target, _start_runs(runner, target, scheduled, built)))
             seeded = time.perf_counter() - start
             ms.tune_tasks(
                 tasks=contexts,
