@@ -425,8 +425,9 @@ def test_a_tune_is_seeded_with_the_models_fastest_predicted_configurations(tmp_p
 def test_a_cuda_tune_times_the_default_and_seeds_first_and_builds_its_search_side_by_side(
         workers, tmp_path, monkeypatch):
     """tune() starts the runner on a thread and builds the default and the model's seeds
-    meanwhile, times them first, then searches; with more than 2 cores a CUDA search
-    builds on a pool of worker processes (PooledBuilder), on 2 in this process. Without
+    meanwhile, times them first, then searches; with more than 2 cores a CUDA tune
+    builds all of them on a pool of worker processes (PooledBuilder) and takes
+    POOLED_SEEDS seeds, on 2 it builds in this process and takes SEEDS. Without
     a GPU: a stand-in runner times each built configuration by the order it ran in."""
     from tvm.ir.utils import derived_object
     from tvm_fusion import tuner
@@ -464,15 +465,16 @@ def test_a_cuda_tune_times_the_default_and_seeds_first_and_builds_its_search_sid
     monkeypatch.setattr(tuner.PoolBuilder, "submit",
                         lambda self, mods, target: built_in_pool.extend(mods) or real_submit(self, mods, target))
     result = tuner.tune([UNTUNED], CUDA, trials=4, log_dir=str(tmp_path))
-    first = tuner.first_configs(UNTUNED, CUDA)
-    assert len(first) == 1 + tuner.SEEDS
+    seeds = tuner.POOLED_SEEDS if workers > 2 else tuner.SEEDS
+    first = tuner.first_configs(UNTUNED, CUDA, seeds)
+    assert len(first) == 1 + seeds
     logged = records.load(records.folder(tmp_path, CUDA), strict=True).database.get_all_tuning_records()
     replayed = [registry.replayed_choice(r, "cross_entropy") for r in logged]
     assert [(c, str(k)) for c, k, _, _ in replayed[:len(first)]] == [(c.name, str(k)) for _, c, k in first]
     assert len(logged) == len(order) == len(first) + result.searched and result.searched >= 1
     assert 0 < result.seeded < result.seconds
     assert result.best[UNTUNED.key()][1] == pytest.approx(1e-4 / len(order))  # the fastest: the last run
-    assert len(built_in_pool) == (result.searched if workers > 2 else 0)
+    assert len(built_in_pool) == (len(first) + result.searched if workers > 2 else 0)
 
 
 def test_the_model_ranks_no_configuration_that_cannot_launch():
