@@ -486,9 +486,6 @@ def tune(
     database = records.json_database(path)
     total = trials * len(problems)
     builder = InProcessBuilder()
-    # Small batches, so the task scheduler can share a shape's trials among its
-    # decompositions (a 10-trial budget in one batch once went to one task alone).
-    per_iter = max(2, trials // (2 * max(len(tasks) for tasks in per_problem)))
     # A CUDA tune builds side by side (NVRTC: 1.4 s a build on the H200 host): the
     # default and POOLED_SEEDS seeds in one batch, then each search batch. The workers
     # start now, with the runner. Not on 2 cores, where the workers' start would cost
@@ -496,6 +493,13 @@ def tune(
     # default and SEEDS seeds while the runner starts.
     pool = PoolBuilder(workers()) if target.kind.name == "cuda" and workers() > 2 else None
     first_builder, seeds = (builder, SEEDS) if pool is None else (PooledBuilder(pool), POOLED_SEEDS)
+    # Batches small enough that the task scheduler shares a shape's trials among its
+    # decompositions (a 10-trial budget in one batch once went to one task alone; its
+    # first rounds visit each task once): two a task, or one where the pool builds a
+    # batch in about one build's time, since each batch also costs an evolutionary
+    # search (H200, 8 trials of CE 3000x20000: 4 batches of 2 took 15 s).
+    tasks = max(len(tasks) for tasks in per_problem)
+    per_iter = max(2, trials // (tasks if pool is not None else 2 * tasks))
     callbacks = [
         ms.measure_callback.AddToDatabase(),
         ms.measure_callback.RemoveBuildArtifact(),
