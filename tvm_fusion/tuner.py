@@ -134,23 +134,32 @@ def _import_package() -> None:
 
 
 class PoolBuilder:
-    """Builds on ``workers`` processes that live as long as this object (spawned once,
+    """Builds on ``workers`` processes that live as long as this object (started once,
     each importing TVM and this package once), so a grid's builds run side by side
     while the runner times the batch before. :meth:`submit` returns futures of
-    ``BuilderResult``; a failed build is reported in its result, not raised."""
+    ``BuilderResult``; a failed build is reported in its result, not raised.
+
+    The workers are TVM's popen workers (``PopenPoolExecutor``, as MetaSchedule's
+    LocalBuilder uses): fresh interpreters that never import the caller's script. A
+    ``multiprocessing`` spawn pool re-runs an unguarded script in each worker, so a
+    script calling ``tune`` at its top level without ``if __name__ == "__main__"``
+    tuned again in every worker (seen on the H200: the pool broke at its first build)."""
 
     def __init__(self, workers: int):
-        import concurrent.futures
-        import multiprocessing
+        from tvm.support.popen_pool import PopenPoolExecutor
 
-        self._pool = concurrent.futures.ProcessPoolExecutor(
-            max_workers=workers, mp_context=multiprocessing.get_context("spawn"), initializer=_import_package)
-        for _ in range(workers):  # start them now (each imports TVM and this package), not at the first build
+        self._pool = PopenPoolExecutor(max_workers=workers, initializer=_import_package)
+        self._pending: list[concurrent.futures.Future] = []
+        # Start them now (each imports TVM and this package), not at the first build:
+        # a submit while no thread is idle starts another thread, each with its worker.
+        for _ in range(workers):
             self._pool.submit(int)
 
     def submit(self, mods: Sequence[Any], target: Target) -> list[Any]:
         config = target.export()
-        return [self._pool.submit(_build_exported, tvm.ir.save_json(mod), config) for mod in mods]
+        futures = [self._pool.submit(_build_exported, tvm.ir.save_json(mod), config) for mod in mods]
+        self._pending = [f for f in self._pending if not f.done()] + futures
+        return futures
 
     @staticmethod
     def result(future: Any) -> ms.builder.BuilderResult:
@@ -160,7 +169,9 @@ class PoolBuilder:
             return ms.builder.BuilderResult(None, f"PoolBuilder: {type(err).__name__}: {err}")
 
     def close(self) -> None:
-        self._pool.shutdown(cancel_futures=True)
+        for future in self._pending:  # a queued build would start its worker anew
+            future.cancel()
+        self._pool.shutdown(wait=True)
 
 
 @derived_object
