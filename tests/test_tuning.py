@@ -464,3 +464,30 @@ def test_bench_rows_append_with_the_csv_s_own_line_ends(tmp_path):
     read = list(csv.DictReader(path.open()))
     assert [r["provider"] for r in read] == ["device copy", "tvm_fusion api", "torch eager", "tvm_fusion api"]
     assert read[1]["median_ms"] == "0.50000" and read[1]["gb_s"] == "2.0" and read[2]["median_ms"] == ""
+
+
+def test_the_build_pool_works_from_a_script_with_no_main_guard(tmp_path):
+    """The build pool's workers are fresh interpreters that never run the caller's
+    script: a script that builds on it at its top level, with no ``if __name__ ==
+    "__main__"`` guard, builds (a multiprocessing spawn pool re-ran such a script in
+    every worker and broke at the first build, seen on the H200), and runs its top
+    level once."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(
+        "import tvm\n"
+        "from tvm.s_tir import meta_schedule as ms\n"
+        "from tvm_fusion import api, targets, tuner\n"
+        "print('top level ran', flush=True)\n"
+        "target = targets.resolve('llvm')\n"
+        "problem = api.make_problem('cross_entropy', (16, 256), 'float32')\n"
+        "pool = tuner.PoolBuilder(2)\n"
+        "scheduled = tuner._scheduled(tuner.first_configs(problem, target, 1), target)\n"
+        "with tvm.transform.PassContext(opt_level=3), target:\n"
+        "    results = tuner.PooledBuilder(pool).build([ms.builder.BuilderInput(s.mod, target) for _, s in scheduled])\n"
+        "pool.close()\n"
+        "print('built', [(r.error_msg, bool(r.artifact_path)) for r in results], flush=True)\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[1])})
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("top level ran") == 1
+    assert "built [(None, True)" in done.stdout and "False)" not in done.stdout
