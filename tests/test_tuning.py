@@ -21,7 +21,7 @@ import tvm_ffi
 import tvm_fusion as tf
 from helpers import assert_close, random_floats, rng
 from tvm.s_tir import meta_schedule as ms
-from tvm_fusion import dispatch, records, targets
+from tvm_fusion import dispatch, records, registry, targets
 from tvm_fusion.compute import prim_func
 from tvm_fusion.contracts import cross_entropy as ce_ref
 
@@ -491,3 +491,49 @@ def test_the_build_pool_works_from_a_script_with_no_main_guard(tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("top level ran") == 1
     assert "built [(None, True)" in done.stdout and "False)" not in done.stdout
+
+
+# Shapes on which every registered candidate of the op applies to one at least (checked).
+SEARCHED_SHAPES = {
+    "bn_stats": [((8, 64, 16, 16), "float16", {}), ((8, 16, 16, 64), "bfloat16", {"layout": "NHWC"}),
+                 ((2, 32, 256, 256), "float32", {}), ((256, 64, 2, 2), "float16", {}),
+                 ((64, 2048, 7, 7), "float16", {})],
+    "bn_forward": [((8, 64, 16, 16), "float16", {}), ((8, 16, 16, 64), "bfloat16", {"layout": "NHWC"}),
+                   ((2, 32, 256, 256), "float32", {}), ((256, 64, 2, 2), "float16", {}),
+                   ((64, 2048, 7, 7), "float16", {}), ((8, 64, 16, 16), "float16", {"training": False}),
+                   ((8, 16, 16, 64), "bfloat16", {"layout": "NHWC", "training": False})],
+    "bn_backward": [((8, 64, 16, 16), "float16", {}), ((8, 16, 16, 64), "bfloat16", {"layout": "NHWC"}),
+                    ((2, 32, 256, 256), "float32", {}), ((256, 64, 2, 2), "float16", {}),
+                    ((64, 2048, 7, 7), "float16", {})],
+    "bn_backward_dx": [((8, 64, 16, 16), "float16", {}), ((8, 16, 16, 64), "bfloat16", {"layout": "NHWC"})],
+    "cross_entropy": [((256, 32000), "float16", {}), ((8, 50257), "bfloat16", {}), ((4096, 128), "float16", {}),
+                      ((64, 1000), "float32", {}), ((4, 256000), "bfloat16", {})],
+    "cross_entropy_grad": [((256, 32000), "float16", {"mode": m}) for m in ("fused", "from_lse")]
+    + [((8, 50257), "bfloat16", {"mode": m}) for m in ("fused", "from_lse")]
+    + [((4096, 128), "float16", {"mode": m}) for m in ("fused", "from_lse")]
+    + [((64, 1000), "float32", {"mode": "fused"}), ((4, 256000), "bfloat16", {"mode": "fused"})],
+}
+
+
+@pytest.mark.parametrize("op", sorted(SEARCHED_SHAPES))
+def test_every_tunable_space_replays_after_metaschedules_trace_simplification(op):
+    """MetaSchedule's evolutionary search replays a design space's trace after
+    ``Trace.simplified(remove_postproc=True)``, which drops a GetSBlock whose output
+    only a list input uses (``cache_read``'s ``consumer_blocks``): a candidate whose
+    trace loses a random variable that way fails every tune it is in ("Random variable
+    is not defined", the H200 tunes of cross_entropy_grad at c1333ff). Every
+    candidate of the op, on CUDA and LLVM, on shapes where it applies."""
+    covered = set()
+    for target in (targets.with_limits(targets.resolve({"kind": "cuda", "arch": "sm_90"})), CPU):
+        for shape, dtype, options in SEARCHED_SHAPES[op]:
+            problem = tf.make_problem(op, shape, dtype, **options)
+            for cand in registry.applicable(problem, target):
+                func = prim_func(problem, cand.algorithm)
+                sch = cand.apply(func, target, tunable=True)
+                simplified = sch.trace.simplified(remove_postproc=True)
+                fresh = tvm.s_tir.Schedule(tvm.IRModule({"main": func}))
+                simplified.apply_to_schedule(fresh, remove_postproc=True)
+                tvm.ir.assert_structural_equal(fresh.mod, sch.mod)
+                covered.add(cand.name)
+        names = {c.name for c in registry.candidates(op, target.kind.name)}
+        assert names <= covered, f"no shape of the list applies to {sorted(names - covered)}"

@@ -170,15 +170,17 @@ def schedule_grad_batch_stage(sch: s_tir.Schedule, problem) -> None:
 
 def grad_map(
     sch: s_tir.Schedule, keep_outer: int, threads, vector, unroll_step, thread_axis: str = "threadIdx.x",
-    staged: str = "logits",
+    staged: str = "logits", block: SBlockRV | None = None,
 ) -> None:
     """``dlogits`` over the row laid out ``[threadIdx, serial, vector]`` (consecutive
     lanes, consecutive vectors): per step a lane loads ``vector`` logits (from
     ``staged``: the logits, or their copy in shared memory) with one load into
     registers, computes the gradient there in float32 and stores the ``vector``
     results with one store (16 bytes each way when ``vector * bytes == 16``). The
-    per-row coefficients must already be at the row, in registers."""
-    block = sch.get_sblock("dlogits")
+    per-row coefficients must already be at the row, in registers. ``block``: the
+    ``dlogits`` block's random variable where the caller holds one (see
+    ``cross_entropy_grad_row_in_shared``), else looked up."""
+    block = sch.get_sblock("dlogits") if block is None else block
     _, serial, vec = lanes_split(sch, block, keep_outer, threads, vector, unroll_step, thread_axis)
     sch.unroll(vec)
     stage_in_registers(sch, block, staged, serial)

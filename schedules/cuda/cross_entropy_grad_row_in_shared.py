@@ -81,7 +81,11 @@ class CrossEntropyGradRowInShared(Candidate):
         schedule_grad_prologue(sch, problem)
         dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
         coefficients_at(sch, problem, dlogits_row, "local")
-        # 2. The copy of the row that the statistics and the gradient read.
+        # 2. The copy of the row that the statistics and the gradient read. Each
+        # consumer's random variable is used again below: TVM 0.27's Trace.simplified,
+        # which MetaSchedule's search replays, drops a GetSBlock whose output only a
+        # list input (consumer_blocks) uses, and the replay then stopped with "Random
+        # variable is not defined" (H200 tune of 4096x32000 fp16, c1333ff).
         row_max, row_sum, dlogits = (sch.get_sblock(n) for n in ("row_max", "row_sumexp", "dlogits"))
         copy = sch.cache_read(row_max, read_index(sch, row_max, "logits"), "shared.dyn",
                               consumer_blocks=[row_max, row_sum, dlogits])
@@ -94,12 +98,11 @@ class CrossEntropyGradRowInShared(Candidate):
         _, _, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
         sch.vectorize(vec)
         # 3. Both statistics over shared memory, kept in registers.
-        for name in ("row_max", "row_sumexp"):
-            block = sch.get_sblock(name)
+        for block in (row_max, row_sum):
             thread_reduce(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll, shared)
             outputs_to(sch, block, "local")
         # 4. The gradient from shared memory.
-        grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll, staged=shared)
+        grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll, staged=shared, block=dlogits)
         # 5. lse and the row loss on thread 0.
         for name in ("lse", loss):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
