@@ -537,3 +537,26 @@ def test_every_tunable_space_replays_after_metaschedules_trace_simplification(op
                 covered.add(cand.name)
         names = {c.name for c in registry.candidates(op, target.kind.name)}
         assert names <= covered, f"no shape of the list applies to {sorted(names - covered)}"
+
+
+def test_the_tuning_target_admits_a_row_kept_in_dynamic_shared_memory():
+    """A gradient row of 50257 bf16 values kept on chip (100 KB of dynamic shared
+    memory, which TVM opts into at launch) passes VerifyGPUCode on the tuning target
+    (227 KB a block on sm_90): at the 48 KB of a block without opting in, every sample
+    of such a candidate failed it and the search could not try one."""
+    problem = tf.make_problem("cross_entropy_grad", (64, 50257), "bfloat16", mode="fused")
+    cand = registry.get("cross_entropy_grad_window_in_shared")
+    func = prim_func(problem, cand.algorithm)
+
+    def verified(target):
+        ctx = ms.TuneContext(tvm.IRModule({"main": func}), target=target,
+                             space_generator=ms.space_generator.ScheduleFn(lambda s: s, sch_rules=[], postprocs=[],
+                                                                           mutator_probs={}), task_name="verify")
+        postproc = ms.postproc.VerifyGPUCode()
+        postproc._initialize_with_tune_context(ctx)
+        return postproc.apply(cand.apply(func, target))
+
+    tuning = targets.with_limits(targets.resolve({"kind": "cuda", "arch": "sm_90"}))
+    assert tuning.attrs["max_shared_memory_per_block"] == 227 * 1024
+    assert verified(tuning)
+    assert not verified(SM90)  # 48 KB: the limit before

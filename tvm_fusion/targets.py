@@ -69,6 +69,13 @@ CUDA_LIMITS = {
     "max_shared_memory_per_block": 49152,
     "registers_per_block": 65536,
 }
+# Shared memory a block may opt into, by arch (227 KB on sm_90): TVM's CUDA module
+# opts a kernel with more than 48 KB of dynamic shared memory in at launch, and the
+# candidates that keep a row or a channel on chip take up to 112 KB ("shared.dyn").
+# VerifyGPUCode counts that memory too, so at 48 KB every sample of such a candidate
+# failed it: the search could not try one (a tune of CE grad 16384x50257 bf16 spent
+# 19 s of host time on the window candidate's task and measured nothing there).
+SHARED_MEMORY_PER_BLOCK = {"sm_90": 227 * 1024}
 
 
 def with_limits(target: Target) -> Target:
@@ -77,7 +84,8 @@ def with_limits(target: Target) -> Target:
         return target
     spec = dict(target.export())
     spec = {k: v for k, v in spec.items() if k not in ("keys", "tag") and v is not None}
-    return Target({**CUDA_LIMITS, **spec})
+    shared = SHARED_MEMORY_PER_BLOCK.get(spec.get("arch", DEFAULT_CUDA_ARCH), CUDA_LIMITS["max_shared_memory_per_block"])
+    return Target({**CUDA_LIMITS, "max_shared_memory_per_block": shared, **spec})
 
 
 def key(target: Target) -> str:
