@@ -372,7 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     def add_cases(p: argparse.ArgumentParser, target: bool = True) -> None:
         p.add_argument("--ops", default=",".join(OPS),
                        help=f"comma-separated ops (default: {','.join(OPS)}; tune, build and show also "
-                       "take cross_entropy_grad)")
+                       f"take {', '.join(op for op in KERNEL_OPS if op not in OPS)})")
         p.add_argument("--shapes", nargs="+", help="shapes like 4096x32000 (default: the bench shapes)")
         p.add_argument("--dtype", help="input dtype (default: each default shape's own, float16 for --shapes)")
         if target:
