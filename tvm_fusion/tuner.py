@@ -28,8 +28,9 @@ too (:class:`PooledBuilder`): the default and :data:`POOLED_SEEDS` of the cost m
 seeds in one batch, then each search batch; :func:`tune` starts the runner on a thread
 meanwhile. On the H200 host a CUDA build (NVRTC) took 1.4 s, one after another 18 of a
 profiled tune's 29-34 s, and the runner's start (its worker process importing this
-package) 8-9 s before the tune began; in the tunes of four held-out shapes at 8 trials
-the best came from the default or the first seed, never from the search.
+package) 8-9 s before the tune began. In the H200 tunes of four held-out shapes at 8
+trials (at 2a53cd5 and again at cc02430) the best came from the measurements before
+the search, never from the search.
 """
 
 from __future__ import annotations
@@ -496,21 +497,20 @@ def tune(
     path = records.folder(log_dir, target)
     database = records.json_database(path)
     total = trials * len(problems)
-    builder = InProcessBuilder()
     # A CUDA tune builds side by side (NVRTC: 1.4 s a build on the H200 host): the
     # default and POOLED_SEEDS seeds in one batch, then each search batch. The workers
     # start now, with the runner. Not on 2 cores, where the workers' start would cost
     # more than it saves, nor for LLVM builds (0.1 s): there this process builds the
     # default and SEEDS seeds while the runner starts.
     pool = PoolBuilder(workers()) if target.kind.name == "cuda" and workers() > 2 else None
-    first_builder, seeds = (builder, SEEDS) if pool is None else (PooledBuilder(pool), POOLED_SEEDS)
+    builder, seeds = (InProcessBuilder(), SEEDS) if pool is None else (PooledBuilder(pool), POOLED_SEEDS)
     # Batches small enough that the task scheduler shares a shape's trials among its
     # decompositions (a 10-trial budget in one batch once went to one task alone; its
     # first rounds visit each task once): two a task, or one where the pool builds a
     # batch in about one build's time, since each batch also costs an evolutionary
     # search (H200, 8 trials of CE 3000x20000: 4 batches of 2 took 15 s).
-    tasks = max(len(tasks) for tasks in per_problem)
-    per_iter = max(2, trials // (tasks if pool is not None else 2 * tasks))
+    most_tasks = max(len(tasks) for tasks in per_problem)
+    per_iter = max(2, trials // (most_tasks if pool is not None else 2 * most_tasks))
     callbacks = [
         ms.measure_callback.AddToDatabase(),
         ms.measure_callback.RemoveBuildArtifact(),
@@ -524,7 +524,7 @@ def tune(
         with tvm.transform.PassContext(opt_level=3), target:
             # The defaults and the seeds: built while the runner starts, then timed.
             first = [c for problem in problems for c in first_configs(problem, target, seeds)]
-            counter.measured(measure_into(database, target, first_builder, starting, first))
+            counter.measured(measure_into(database, target, builder, starting, first))
             runner = starting.result()
             seeded = time.perf_counter() - start
             ms.tune_tasks(
@@ -534,7 +534,7 @@ def tune(
                 max_trials_global=total,
                 max_trials_per_task=trials,
                 num_trials_per_iter=per_iter,
-                builder=first_builder,
+                builder=builder,
                 runner=runner,
                 database=database,
                 cost_model=ms.cost_model.XGBModel(extractor=ms.feature_extractor.PerStoreFeature(),
