@@ -395,9 +395,9 @@ def test_the_presets_hold_out_shapes_no_training_grid_has(capsys, tmp_path):
 
 
 def test_a_tune_is_seeded_with_the_models_fastest_predicted_configurations(tmp_path, monkeypatch):
-    """measure_seeds logs the shipped model's 4 fastest predicted configurations other
-    than the default (which tune measures with them), so MetaSchedule's first population
-    can start from them; without a model for the target it logs nothing."""
+    """first_configs gives the default, then the shipped model's 4 fastest predicted
+    configurations other than it, which measure_into logs, so MetaSchedule's first
+    population can start from them; without a model for the target it gives no seed."""
     from tvm_fusion import tuner
 
     monkeypatch.delenv(cost_model.MODEL_ENV, raising=False)
@@ -409,7 +409,8 @@ def test_a_tune_is_seeded_with_the_models_fastest_predicted_configurations(tmp_p
 
     database = records.json_database(records.folder(tmp_path, CUDA))
     with tvm.transform.PassContext(opt_level=3), CUDA:
-        assert tuner.measure_seeds(UNTUNED, CUDA, tuner.InProcessBuilder(), Runner(), database) == [1e-5] * 4
+        seeds = tuner.first_configs(UNTUNED, CUDA)[1:]
+        assert tuner.measure_into(database, CUDA, tuner.InProcessBuilder(), Runner(), seeds) == [1e-5] * 4
     model = cost_model.CostModel.load(cost_model.shipped_model(CUDA))
     default = registry.default_candidate(UNTUNED, CUDA)
     expected = [(r.candidate, r.knobs) for r in model.rank(UNTUNED, CUDA)
@@ -417,8 +418,7 @@ def test_a_tune_is_seeded_with_the_models_fastest_predicted_configurations(tmp_p
     logged = [registry.replayed_choice(r, "cross_entropy")[:2] for r in database.get_all_tuning_records()]
     assert sorted(map(str, logged)) == sorted(map(str, expected))
     llvm = tvm.target.Target("llvm")
-    assert tuner.measure_seeds(tf.make_problem("cross_entropy", (64, 1000), "float32"), llvm,
-                               tuner.InProcessBuilder(), Runner(), database) == []
+    assert tuner.first_configs(tf.make_problem("cross_entropy", (64, 1000), "float32"), llvm)[1:] == []
 
 
 @pytest.mark.parametrize("workers", [2, 3])

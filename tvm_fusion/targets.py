@@ -61,7 +61,8 @@ def resolve(target: Any) -> Target:
 
 
 # What MetaSchedule's VerifyGPUCode checks a CUDA program against (sm_90 limits for
-# a block; 48 KB is the static shared memory a block gets without opting in).
+# a block; the shared memory is 48 KB, what a block gets without opting in, on an arch
+# without a row in SHARED_MEMORY_PER_BLOCK).
 CUDA_LIMITS = {
     "max_threads_per_block": 1024,
     "max_num_threads": 1024,

@@ -284,7 +284,7 @@ def tasks_for(problem: Problem, target: Target) -> list[ms.TuneContext]:
                 space_generator=space,
                 search_strategy=ms.search_strategy.EvolutionarySearch(
                     # A fifth of the first population from the best measured records: the
-                    # default and the cost model's seeds (measure_seeds) on a first tune.
+                    # default and the cost model's seeds (first_configs) on a first tune.
                     population_size=64, init_measured_ratio=0.2, init_min_unmeasured=32,
                     genetic_num_iters=2, max_fail_count=3,
                 ),
@@ -379,24 +379,15 @@ SEEDS = 4  # the cost model's fastest predicted configurations measured before a
 POOLED_SEEDS = 12  # as many where a pool of worker processes builds them side by side
 
 
-def measure_seeds(problem: Problem, target: Target, builder: Any, runner: Any, database: Any,
-                  count: int = SEEDS) -> list[float]:
-    """Measure and log the cost model's ``count`` fastest predicted configurations of
-    ``problem`` (other than the default, which :func:`tune` measures with them), so the
-    evolutionary search starts from them: MetaSchedule draws a fifth of its first
-    population from the database's best records of the task (``init_measured_ratio``). The model is the one dispatch would
-    find, else the shipped one (seeding only adds measured records, and a tune keeps the
-    fastest, so the shipped model's held-out misses cost a few trials, not a worse pick).
-    Returns the median seconds of those logged; none without a model for the operator."""
-    configs = first_configs(problem, target, seeds=count)[1:]
-    return measure_into(database, target, builder, runner, configs) if configs else []
-
-
 def first_configs(problem: Problem, target: Target,
                   seeds: int = SEEDS) -> list[tuple[Problem, registry.Candidate, registry.Knobs]]:
     """What a tune measures before its search: the registry's default, then the cost
     model's ``seeds`` fastest predicted other configurations (none without a model for
-    the operator). The model is the one dispatch would find, else the shipped one."""
+    the operator), so the evolutionary search starts from them: MetaSchedule draws a
+    fifth of its first population from the database's best records of the task
+    (``init_measured_ratio``). The model is the one dispatch would find, else the
+    shipped one (seeding only adds measured records, and a tune keeps the fastest, so
+    the shipped model's held-out misses cost a few trials, not a worse pick)."""
     default = registry.default_candidate(problem, target)
     default_knobs = default.default_for(problem, target)
     configs = [(problem, default, default_knobs)]
