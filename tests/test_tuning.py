@@ -279,6 +279,31 @@ def test_runner_arguments_are_valid_class_indices_and_real_logits(dtype):
     assert ((target == -100) | valid).all() and valid.sum() > 400 and (target == -100).any()
 
 
+def test_runner_arguments_are_made_once_per_role_dtype_and_shape(monkeypatch):
+    import tvm
+    from tvm_fusion import tuner
+
+    monkeypatch.setattr(tuner, "_ARGUMENTS", {})
+
+    def args_info(batch, classes):
+        func = tf.compute.prim_func(tf.make_problem("cross_entropy_grad", (batch, classes), "float16"), "fused")
+        return [(str(p.name), str(p.dtype), [int(d) for d in p.shape]) for p in func.params]
+
+    first = args_info(64, 3000)
+    assert sum(info[2] == [64, 3000] for info in first) == 2  # the logits and their gradient
+    (a,) = tuner.alloc_valid_arguments(tvm.cpu(), first, 1)
+    (b,) = tuner.alloc_valid_arguments(tvm.cpu(), first, 1)
+    assert all(x is y for x, y in zip(a, b))  # a later trial gets the same tensors
+    assert len({id(x) for x in a}) == len(a)  # never one buffer for two arguments
+    target = a[1].numpy()
+    assert ((target == -100) | ((target >= 0) & (target < 3000))).all() and (target >= 0).sum() > 40
+    # another problem's arguments; past the budget the older ones go, the call's own never
+    monkeypatch.setattr(tuner, "ARGUMENT_CACHE_BYTES", 1)
+    (c,) = tuner.alloc_valid_arguments(tvm.cpu(), args_info(32, 5000), 1)
+    assert c[1].numpy().max() < 5000 and c[0] is not a[0] and c[1] is not a[1]
+    assert set(map(id, tuner._ARGUMENTS.values())) == set(map(id, c))
+
+
 @pytest.mark.parametrize("other_ms, picked", [(0.995, "default"), (0.9, "other")])
 def test_a_record_displaces_the_default_only_when_clearly_faster(tmp_path, other_ms, picked):
     from tvm_fusion import registry
