@@ -472,15 +472,16 @@ def test_tasks_are_made_without_parsing_the_tensor_intrinsics():
 
 def test_bench_rows_append_with_the_csv_s_own_line_ends(tmp_path):
     """``bench.append_csv`` writes LF rows, as the rest of results/benchmarks.csv (csv's
-    default is CRLF: 23 rows of one H200 run came back with CR before this), and reads
-    back as written."""
+    default is CRLF: 23 rows of one H200 run came back with CR before this), one line a
+    row (a peer's error came in coloured lines), and reads back as written."""
     import csv
 
     from tvm_fusion import bench
 
     case = bench.Case("cross_entropy", (4, 10), "float32")
     rows = [bench.Result(case, "tvm_fusion api", 0.5, 10**6, "api loop", "ok"),
-            bench.Result(case, "torch eager", None, 10**6, "", "failed: x")]
+            bench.Result(case, "torch eager", None, 10**6, "",
+                         "failed: DSLRuntimeError: \n\x1b[91m\x1b[1merror[INTERNAL]:\x1b[0m no IR\n   ")]
     path = tmp_path / "benchmarks.csv"
     bench.append_csv(rows, str(path), "cpu", 100.0, with_copy_row=True)
     bench.append_csv(rows[:1], str(path), "cpu", 100.0)
@@ -489,6 +490,7 @@ def test_bench_rows_append_with_the_csv_s_own_line_ends(tmp_path):
     read = list(csv.DictReader(path.open()))
     assert [r["provider"] for r in read] == ["device copy", "tvm_fusion api", "torch eager", "tvm_fusion api"]
     assert read[1]["median_ms"] == "0.50000" and read[1]["gb_s"] == "2.0" and read[2]["median_ms"] == ""
+    assert read[2]["status"] == "failed: DSLRuntimeError: error[INTERNAL]: no IR"
 
 
 def test_the_build_pool_works_from_a_script_with_no_main_guard(tmp_path):

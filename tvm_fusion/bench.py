@@ -21,6 +21,7 @@ import datetime
 import math
 import os
 import platform
+import re
 import subprocess
 from collections.abc import Callable
 from typing import Any
@@ -742,8 +743,15 @@ def append_csv(results: list[Result], path: str, hardware: str, copy_gb_s: float
                 median_ms="" if r.median_ms is None else f"{r.median_ms:.5f}",
                 gb_s="" if r.gb_s is None else f"{r.gb_s:.1f}",
                 frac_copy="" if r.gb_s is None else f"{r.gb_s / copy_gb_s:.3f}",
-                method=r.method, status=r.status,
+                method=r.method, status=one_line(r.status),
             ))
+
+
+def one_line(text: str) -> str:
+    """``text`` as one CSV line: terminal colour codes dropped, line breaks and runs of
+    blanks made one space (a peer's compiler error, Quack's CuTe DSL on V = 50257 on the
+    H200, came as several coloured lines)."""
+    return " ".join(re.sub(r"\x1b\[[0-9;]*m", "", text).split())
 
 
 def plot(results: list[Result], folder: str, copy_gb_s: float, hardware: str) -> list[str]:
