@@ -587,3 +587,29 @@ def test_the_tuning_target_admits_a_row_kept_in_dynamic_shared_memory():
     assert tuning.attrs["max_shared_memory_per_block"] == 227 * 1024
     assert verified(tuning)
     assert not verified(SM90)  # 48 KB: the limit before
+
+
+def test_a_log_of_records_through_our_reducers_opens_for_writing(tmp_path):
+    """``records.json_database`` opens a log whose records' traces go through one of our
+    reducers (registered with Python callbacks): TVM parses records on worker threads,
+    and the constructor call held the GIL, so such a thread waited for it for good. The
+    records are the H200's, from a gradient tune of 16384x50257 bf16 (its online
+    candidate's six, RFactor through the targets pass's reducer), repeated so that
+    worker threads take some: the next tune into that folder hung (2 tries of 2 with
+    these 90 lines, before the fix)."""
+    import gzip
+
+    fixture = pathlib.Path(__file__).parent / "data" / "h200_gradient_records"
+    folder = tmp_path / "log"
+    folder.mkdir()
+    (folder / records.WORKLOADS).write_bytes(gzip.decompress((fixture / (records.WORKLOADS + ".gz")).read_bytes()))
+    lines = gzip.decompress((fixture / (records.RECORDS + ".gz")).read_bytes())
+    (folder / records.RECORDS).write_bytes(lines * 15)
+    code = ("import tvm_fusion.registry\nfrom tvm_fusion import records\n"
+            f"print([len(records.json_database({str(folder)!r})) for _ in range(3)])")
+    try:
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    except subprocess.TimeoutExpired:
+        pytest.fail("opening the log hung: a record parsed on a worker thread waits for the GIL")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[90, 90, 90]"

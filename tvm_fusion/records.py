@@ -25,6 +25,7 @@ import os
 import pathlib
 from collections.abc import Callable
 
+import tvm_ffi
 from tvm.s_tir import meta_schedule as ms
 from tvm.target import Target
 
@@ -58,6 +59,9 @@ def folder(log_dir: str | os.PathLike, target: Target) -> pathlib.Path:
     return pathlib.Path(log_dir) / targets.key(target)
 
 
+_JSON_DATABASE = tvm_ffi.get_global_func("s_tir.meta_schedule.DatabaseJSONDatabase")
+
+
 def holds_database(path: str | os.PathLike) -> bool:
     """Whether ``path`` holds a tuning-record file, plain or gzipped."""
     file = pathlib.Path(path) / RECORDS
@@ -75,11 +79,13 @@ def json_database(path: str | os.PathLike) -> ms.database.JSONDatabase:
         raise ValueError(f"{path} holds a gzipped log ({', '.join(p + '.gz' for p in packed)}), which is only read: "
                          f"gunzip -k it (and remove the .gz files) before writing records there")
     os.makedirs(path, exist_ok=True)
-    return ms.database.JSONDatabase(
-        path_workload=os.path.join(path, WORKLOADS),
-        path_tuning_record=os.path.join(path, RECORDS),
-        allow_missing=True,
-    )
+    # Not ms.database.JSONDatabase(...): tvm-ffi makes an object's constructor call with
+    # the GIL held, and TVM parses the records on worker threads, each replaying its
+    # trace; a trace through one of our reducers calls back into Python for it
+    # (compute.primitives), so that thread waits for the GIL for good. A log holding
+    # such records (the H200's 16384x50257 bf16 gradient tune) hung the next tune into
+    # its folder. The same constructor called as a function releases the GIL.
+    return _JSON_DATABASE(os.path.join(path, WORKLOADS), os.path.join(path, RECORDS), True, "structural")
 
 
 def _read_lines(path: pathlib.Path):
