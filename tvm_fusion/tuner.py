@@ -199,10 +199,10 @@ def alloc_valid_arguments(device: Any, args_info: Sequence[Any], alloc_repeat: i
 
     The runner's worker process outlives its trials, and keeps what this made
     (:data:`_ARGUMENTS`, at most :data:`ARGUMENT_CACHE_BYTES` beyond the arguments of
-    the call at hand): a later trial whose argument has the same role, dtype and shape
-    (and place among its equals: the logits and their gradient stay two buffers) gets
-    the same tensor, its values as the last kernel left them (any real values, as an
-    output's). Filling fresh ones took most of a trial on large inputs: on the 2-core
+    the call at hand): a later trial's argument of the same dtype, shape and role (a
+    target or not) and the same place among its equals (the logits and their gradient
+    stay two buffers) is the same tensor, its values as the last kernel left them (any
+    real values, as an output's). Filling fresh ones took most of a trial on large inputs: on the 2-core
     CPU machine 42 s for the logits and gradient of 16384x50257 bf16 (numpy's resize
     and the copy into the tensor), and on the H200 host the gradient tunes of that shape
     and of 8192x128256 bf16, 16 trials each, did not finish in 150 s at 0538344."""
@@ -216,11 +216,10 @@ def alloc_valid_arguments(device: Any, args_info: Sequence[Any], alloc_repeat: i
             is_target = classes is not None and not target_done and "int" in dtype and len(shape) == 1
             target_done = target_done or is_target
             nth = seen[dtype, shape] = seen.get((dtype, shape), -1) + 1
-            key = (str(device), "target" if is_target else dtype, dtype, shape, classes if is_target else None,
-                   copy, nth)
+            key = (str(device), dtype, shape, classes if is_target else None, copy, nth)
             tensor = _ARGUMENTS.pop(key, None)  # re-inserted: the dict's order is least recently used first
             if tensor is None:
-                tensor = _new_argument(device, dtype, shape, classes if is_target else None, rng)
+                tensor = _new_argument(device, dtype, shape, key[3], rng)
             _ARGUMENTS[key] = tensor
             used.add(key)
             args.append(tensor)
@@ -230,7 +229,8 @@ def alloc_valid_arguments(device: Any, args_info: Sequence[Any], alloc_repeat: i
 
 
 ARGUMENT_CACHE_BYTES = 8 << 30
-_ARGUMENTS: dict[tuple, Any] = {}  # (device, role, dtype, shape, classes, copy, nth) -> tensor, oldest first
+# (device, dtype, shape, V for a target else None, copy, nth of its dtype and shape) -> tensor, oldest first
+_ARGUMENTS: dict[tuple, Any] = {}
 
 
 def _new_argument(device: Any, dtype: str, shape: tuple[int, ...], classes: int | None, rng: Any) -> Any:
@@ -255,13 +255,13 @@ def _new_argument(device: Any, dtype: str, shape: tuple[int, ...], classes: int 
 
 
 def _argument_bytes(key: tuple) -> int:
-    _, _, dtype, shape, *_ = key
+    _, dtype, shape, *_ = key
     return int(np.prod(shape)) * ((tvm.runtime.DataType(dtype).bits + 7) // 8)
 
 
 def _evict(used: set[tuple]) -> None:
-    """Drop the least recently used arguments not in ``used`` while the others and
-    they pass :data:`ARGUMENT_CACHE_BYTES`."""
+    """Drop the least recently used arguments outside ``used`` until those left
+    outside it take at most :data:`ARGUMENT_CACHE_BYTES`."""
     spare = sum(_argument_bytes(key) for key in _ARGUMENTS if key not in used)
     for key in [key for key in _ARGUMENTS if key not in used]:
         if spare <= ARGUMENT_CACHE_BYTES:
