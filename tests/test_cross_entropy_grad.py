@@ -702,6 +702,38 @@ def test_cuda_candidate_on_gpu(shape, options, dtype, mode, candidate):
     check_on_device(problem, options, build_kernel(problem, targets.resolve("cuda"), candidate), "cuda")
 
 
+def shipped_problems(op: str) -> list:
+    """The ``op`` problems whose workloads the shipped H200 log holds: dispatch runs
+    their tuned records' kernels on the GPU (read from the workload lines, without
+    parsing the records' traces)."""
+    import json
+
+    from tvm.s_tir import meta_schedule as ms
+    from tvm_fusion import records
+
+    path = records.folder(records.SHIPPED, CUDA) / records.WORKLOADS
+    found = {}
+    for line in path.read_text().splitlines() if path.exists() else []:
+        func = ms.database.Workload.from_json(json.loads(line)).mod["main"]
+        if "tvm_fusion.problem" in func.attrs:
+            problem = problem_from_json(str(func.attrs["tvm_fusion.problem"]))
+            if problem.op == op:
+                found[problem.key()] = problem
+    return [pytest.param(p, id=key) for key, p in sorted(found.items())]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("problem", shipped_problems("cross_entropy_grad"))
+def test_shipped_gradient_records_give_correct_kernels(problem):
+    """What dispatch runs for every gradient problem of the shipped H200 log (its tuned
+    record, or the default where the record is not clearly faster), against torch
+    autograd in float64 with poisoned outputs. No such problem ships at 2026-12-04:
+    the records of that day's tunes wait for this test on the GPU."""
+    options = {"weight": True} if problem.has_weight else {}
+    check_on_device(problem, options, dispatch.kernel_for(problem, targets.resolve("cuda")), "cuda")
+
+
 IN_PLACE_CASES = [((4096, 32000), "float16", {}), ((64, 128256), "bfloat16", {"label_smoothing": 0.1}),
                   ((65, 1000), "float32", {"reduction": "none", "weight_shape": (1000,)}), ((5, 50257), "float16", {})]
 
