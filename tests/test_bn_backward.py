@@ -11,7 +11,7 @@ import pytest
 
 from helpers import (
     candidate_params, check_channel_block_source, check_compiles_without_spills, needs_nvcc, on_gpu, random_floats,
-    rng, run_poisoned, torch_or_none,
+    rng, run_poisoned, shipped_problems, torch_or_none,
 )
 from tvm_fusion import registry, targets
 from tvm_fusion.contracts.bn_backward import bn_backward_problem, reference
@@ -174,3 +174,19 @@ def test_cuda_candidates_on_gpu(problem, candidate, configs):
         x, dy, mean, invstd, weight = inputs(gen, problem, problem.dtype, shift=3.0)
         args = [x.reshape(problem.shape), dy.reshape(problem.shape), mean, invstd] + ([weight] if problem.affine else [])
         check(run_poisoned(kernel, args, tvm.cuda(0)), x, dy, mean, invstd, weight, problem, f"{candidate} {knobs}")
+
+
+@on_gpu
+@pytest.mark.parametrize("problem", shipped_problems("bn_backward"))
+def test_shipped_records_give_correct_kernels(problem):
+    """What dispatch runs for every bn_backward problem of the shipped H200 log,
+    against the float64 reference with poisoned outputs. None ships at 2026-12-04: the
+    next tunes' records go through this test on the GPU."""
+    import tvm
+
+    from tvm_fusion import dispatch
+
+    kernel = dispatch.kernel_for(problem, targets.resolve("cuda"))
+    x, dy, mean, invstd, weight = inputs(rng(), problem, problem.dtype, shift=3.0)
+    args = [x.reshape(problem.shape), dy.reshape(problem.shape), mean, invstd] + ([weight] if problem.affine else [])
+    check(run_poisoned(kernel, args, tvm.cuda(0)), x, dy, mean, invstd, weight, problem, kernel.describe())

@@ -13,7 +13,7 @@ import pytest
 
 from helpers import (
     candidate_params, check_channel_block_source, check_compiles_without_spills, needs_nvcc, on_gpu, random_floats,
-    rng, run_poisoned, torch_or_none,
+    rng, run_poisoned, shipped_problems, torch_or_none,
 )
 from tvm_fusion import targets
 from tvm_fusion.contracts.bn_forward import bn_forward_problem, reference
@@ -195,3 +195,21 @@ def test_cuda_candidates_on_gpu(problem, candidate, configs):
             data = inputs(gen, problem, loc=loc, scale=scale)
             outs = run_poisoned(kernel, kernel_args(problem, *data), tvm.cuda(0))
             check(kernel, outs, problem, *data, what=f"{candidate} {knobs} mean {loc}")
+
+
+@on_gpu
+@pytest.mark.parametrize("problem", shipped_problems("bn_forward"))
+def test_shipped_records_give_correct_kernels(problem):
+    """What dispatch runs for every bn_forward problem of the shipped H200 log (its
+    tuned record, or the default where the record is not clearly faster), against the
+    float64 reference with poisoned outputs, |mean| >> std too. None ships at
+    2026-12-04: the next tunes' records go through this test on the GPU."""
+    import tvm
+
+    from tvm_fusion import dispatch
+
+    gen, kernel = rng(), dispatch.kernel_for(problem, targets.resolve("cuda"))
+    for loc, scale in ((0.0, 2.0), (1000.0, 1.0)):
+        data = inputs(gen, problem, loc=loc, scale=scale)
+        outs = run_poisoned(kernel, kernel_args(problem, *data), tvm.cuda(0))
+        check(kernel, outs, problem, *data, what=f"{kernel.describe()} mean {loc}")

@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 import tvm
 
-from helpers import TOLERANCES, assert_close, candidate_params, has_gpu, np_dtype, random_floats, rng, run_poisoned, torch_or_none
+from helpers import (TOLERANCES, assert_close, candidate_params, has_gpu, np_dtype, random_floats, rng, run_poisoned,
+                     shipped_problems, torch_or_none)
 from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
 from tvm_fusion import dispatch, registry, targets, tuner
 from tvm_fusion.codegen import cuda_report, nvcc_path
@@ -700,26 +701,6 @@ def test_cuda_candidate_on_gpu(shape, options, dtype, mode, candidate):
     options = dict(options)
     problem = gpu_problem(shape, options, dtype, mode)
     check_on_device(problem, options, build_kernel(problem, targets.resolve("cuda"), candidate), "cuda")
-
-
-def shipped_problems(op: str) -> list:
-    """The ``op`` problems whose workloads the shipped H200 log holds: dispatch runs
-    their tuned records' kernels on the GPU (read from the workload lines, without
-    parsing the records' traces)."""
-    import json
-
-    from tvm.s_tir import meta_schedule as ms
-    from tvm_fusion import records
-
-    path = records.folder(records.SHIPPED, CUDA) / records.WORKLOADS
-    found = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        func = ms.database.Workload.from_json(json.loads(line)).mod["main"]
-        if "tvm_fusion.problem" in func.attrs:
-            problem = problem_from_json(str(func.attrs["tvm_fusion.problem"]))
-            if problem.op == op:
-                found[problem.key()] = problem
-    return [pytest.param(p, id=key) for key, p in sorted(found.items())]
 
 
 @pytest.mark.gpu
