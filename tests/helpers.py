@@ -238,21 +238,16 @@ BN_LAYOUTS = {
 
 def shipped_problems(op: str) -> list:
     """The ``op`` problems whose workloads the shipped H200 log holds, as pytest params:
-    dispatch runs their tuned records' kernels on the GPU (read from the workload lines,
-    without parsing the records' traces)."""
-    import json
-
+    dispatch runs their tuned records' kernels on the GPU (the log read as dispatch
+    reads it, without parsing the records' traces)."""
     import pytest
-    from tvm.s_tir import meta_schedule as ms
     from tvm_fusion import records, targets
-    from tvm_fusion.compute import problem_from_json
+    from tvm_fusion.compute import problem_of
 
-    path = records.folder(records.SHIPPED, targets.resolve({"kind": "cuda", "arch": "sm_90"})) / records.WORKLOADS
+    path = records.folder(records.SHIPPED, targets.resolve({"kind": "cuda", "arch": "sm_90"}))
     found = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
-        func = ms.database.Workload.from_json(json.loads(line)).mod["main"]
-        if "tvm_fusion.problem" in func.attrs:
-            problem = problem_from_json(str(func.attrs["tvm_fusion.problem"]))
-            if problem.op == op:
-                found[problem.key()] = problem
+    for workload in records.IndexedLog(path).workloads if records.holds_database(path) else []:
+        func = workload.mod["main"]
+        if "tvm_fusion.problem" in func.attrs and (problem := problem_of(func)).op == op:
+            found[problem.key()] = problem
     return [pytest.param(p, id=key) for key, p in sorted(found.items())]

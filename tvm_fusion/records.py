@@ -222,6 +222,11 @@ class IndexedLog:
                 continue
             self._pending.append((number, index, entry[1]))
 
+    @property
+    def workloads(self) -> list[ms.database.Workload]:
+        """The log's readable workloads, in the order of its file (no trace parsed)."""
+        return [workload for workload in self._workloads if workload is not None]
+
     def parse(self, keep: Callable[[ms.database.Workload], bool] | None = None) -> int:
         """Parse the records not yet parsed (of the workloads ``keep`` accepts, when
         given: asked once a workload) into :attr:`database`, in the order they were

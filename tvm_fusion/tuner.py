@@ -202,10 +202,11 @@ def alloc_valid_arguments(device: Any, args_info: Sequence[Any], alloc_repeat: i
     the call at hand): a later trial's argument of the same dtype, shape and role (a
     target or not) and the same place among its equals (the logits and their gradient
     stay two buffers) is the same tensor, its values as the last kernel left them (any
-    real values, as an output's). Filling fresh ones took most of a trial on large inputs: on the 2-core
-    CPU machine 42 s for the logits and gradient of 16384x50257 bf16 (numpy's resize
-    and the copy into the tensor), and on the H200 host the gradient tunes of that shape
-    and of 8192x128256 bf16, 16 trials each, did not finish in 150 s at 0538344."""
+    real values, as an output's). Filling fresh ones took most of a trial on large
+    inputs: on the 2-core CPU machine 42 s for the logits and gradient of 16384x50257
+    bf16 (numpy's resize and the copy into the tensor), and on the H200 host the
+    gradient tunes of that shape and of 8192x128256 bf16, 16 trials each, did not
+    finish in 150 s at 0538344."""
     rng = np.random.default_rng()
     classes = next((info[2][1] for info in args_info if len(info[2]) == 2 and "float" in info[1]), None)
     repeated, used = [], set()
@@ -216,10 +217,11 @@ def alloc_valid_arguments(device: Any, args_info: Sequence[Any], alloc_repeat: i
             is_target = classes is not None and not target_done and "int" in dtype and len(shape) == 1
             target_done = target_done or is_target
             nth = seen[dtype, shape] = seen.get((dtype, shape), -1) + 1
-            key = (str(device), dtype, shape, classes if is_target else None, copy, nth)
+            target_classes = classes if is_target else None
+            key = (str(device), dtype, shape, target_classes, copy, nth)
             tensor = _ARGUMENTS.pop(key, None)  # re-inserted: the dict's order is least recently used first
             if tensor is None:
-                tensor = _new_argument(device, dtype, shape, key[3], rng)
+                tensor = _new_argument(device, dtype, shape, target_classes, rng)
             _ARGUMENTS[key] = tensor
             used.add(key)
             args.append(tensor)
