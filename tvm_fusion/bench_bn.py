@@ -77,6 +77,11 @@ def providers(op: str) -> list[tuple[str, Callable[[Inputs], tuple]]]:
 
     from . import torch as tft
 
+    # Each case compiles afresh: dynamo caches per code object, so F.batch_norm's
+    # compiles for the cases before (shapes, dtypes, layouts, the forward and the
+    # training step) would count against its recompile limit, past which torch.compile
+    # runs the function eagerly (the H200 bench at 0538344 timed eager under that name).
+    torch.compiler.reset()
     compiled = torch.compile(F.batch_norm)
 
     def forward(bn):

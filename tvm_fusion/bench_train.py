@@ -60,6 +60,7 @@ def providers(case: Case) -> list[Step]:
             return loss, grad
         return run
 
+    torch.compiler.reset()  # a fresh compile per case: dynamo's recompile limit counts per code object
     steps = [
         Step("tvm_fusion.torch", autograd(tft.cross_entropy)),
         Step("tvm_fusion.torch (check_targets=False)", autograd(lambda x, t: tft.cross_entropy(x, t, check_targets=False))),
