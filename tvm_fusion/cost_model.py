@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import atexit
 import base64
+import collections
 import dataclasses
 import gzip
 import json
@@ -222,6 +223,12 @@ XGB_PARAMS = {"objective": "rank:pairwise", "max_depth": 3, "eta": 0.2, "min_chi
               "lambda": 1.0, "seed": 0, "nthread": 1}
 SCALE_PARAMS = {**XGB_PARAMS, "objective": "reg:squarederror"}
 ROUNDS = 200
+# A problem joins the training only with this many timed configurations: a ranking
+# group of one or two teaches the order nothing, and would set its operator's scale
+# alone. The shipped log keeps only the best and the default record of the training
+# ops' tunes (bn_forward, bn_backward, cross_entropy_grad), so they train no model and
+# dispatch keeps the heuristic for their untuned shapes.
+MIN_RANKED = 4
 # The pick is the configuration ranked first. Until 2026-12-03 the registry's default was
 # kept unless the model predicted another 10% faster: that margin helped the regression
 # models (the heuristic was better than them), but with the pairwise ranking it lost
@@ -477,6 +484,8 @@ class CostModel:
         for op, op_rows in sorted(by_op.items()):
             schema = Schema.for_op(op, target)
             op_rows = [r for r in op_rows if r.candidate in schema.candidates]
+            timed = collections.Counter(r.problem for r in op_rows)
+            op_rows = [r for r in op_rows if timed[r.problem] >= MIN_RANKED]
             if not op_rows:
                 continue
             relative, problems, means = _split_labels(op_rows)
