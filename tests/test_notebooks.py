@@ -18,10 +18,12 @@ nbclient = pytest.importorskip("nbclient")
 kernelspec = pytest.importorskip("ipykernel.kernelspec")
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parent.parent / "notebooks"
-# Alone on the 2-core CI machine the slowest notebook, 03_tuning, took 162 s (ce1208f);
-# beside the other tests (xdist on both cores) it ran past 300 s once. The budget
-# covers the whole notebook, kernel start-up included.
-BUDGET_S = 480
+# Alone on the 2-core CI machine the slowest notebook, 03_tuning, took 162 s (ce1208f)
+# and 277 s at 1509b80 (the cost-model cells read 3261 timed configurations and train a
+# model per held-out shape); beside the other tests (xdist on both cores), with other
+# work on the machine, it ran past 480 s at 1509b80. The budget covers the whole
+# notebook, kernel start-up included.
+BUDGET_S = 600
 
 
 class BudgetedClient(nbclient.NotebookClient):
