@@ -36,6 +36,10 @@ def inputs(gen, problem, dtype, shift=1.0):
     return x, dy, mean, invstd, weight
 
 
+def kernel_args(problem, x, dy, mean, invstd, weight):
+    return [x.reshape(problem.shape), dy.reshape(problem.shape), mean, invstd] + ([weight] if problem.affine else [])
+
+
 def check(outs, x, dy, mean, invstd, weight, problem, what=""):
     dx, dweight, dbias = outs
     ref = reference(x, dy, mean, invstd, weight, problem.layout, problem.training)
@@ -97,8 +101,7 @@ def test_cpu_candidates_every_option_and_dtype(problem, candidate, configs):
     for knobs in configs:
         kernel = build_kernel(problem, CPU, candidate, knobs)
         x, dy, mean, invstd, weight = inputs(gen, problem, problem.dtype, shift=3.0)
-        args = [x.reshape(problem.shape), dy.reshape(problem.shape), mean, invstd] + ([weight] if problem.affine else [])
-        check(run_poisoned(kernel, args), x, dy, mean, invstd, weight, problem, f"{candidate} {knobs}")
+        check(run_poisoned(kernel, kernel_args(problem, x, dy, mean, invstd, weight)), x, dy, mean, invstd, weight, problem, f"{candidate} {knobs}")
 
 
 def test_every_problem_has_a_cpu_candidate_and_the_api_builds_it():
@@ -172,21 +175,18 @@ def test_cuda_candidates_on_gpu(problem, candidate, configs):
     for knobs in configs:
         kernel = build_kernel(problem, targets.resolve("cuda"), candidate, knobs)
         x, dy, mean, invstd, weight = inputs(gen, problem, problem.dtype, shift=3.0)
-        args = [x.reshape(problem.shape), dy.reshape(problem.shape), mean, invstd] + ([weight] if problem.affine else [])
-        check(run_poisoned(kernel, args, tvm.cuda(0)), x, dy, mean, invstd, weight, problem, f"{candidate} {knobs}")
+        check(run_poisoned(kernel, kernel_args(problem, x, dy, mean, invstd, weight), tvm.cuda(0)), x, dy, mean, invstd, weight, problem, f"{candidate} {knobs}")
 
 
 @on_gpu
 @pytest.mark.parametrize("problem", shipped_problems("bn_backward"))
 def test_shipped_records_give_correct_kernels(problem):
     """What dispatch runs for every bn_backward problem of the shipped H200 log,
-    against the float64 reference with poisoned outputs. None ships at 2026-12-04: the
-    next tunes' records go through this test on the GPU."""
+    against the float64 reference with poisoned outputs (its four shapes since 1509b80)."""
     import tvm
 
     from tvm_fusion import dispatch
 
     kernel = dispatch.kernel_for(problem, targets.resolve("cuda"))
     x, dy, mean, invstd, weight = inputs(rng(), problem, problem.dtype, shift=3.0)
-    args = [x.reshape(problem.shape), dy.reshape(problem.shape), mean, invstd] + ([weight] if problem.affine else [])
-    check(run_poisoned(kernel, args, tvm.cuda(0)), x, dy, mean, invstd, weight, problem, kernel.describe())
+    check(run_poisoned(kernel, kernel_args(problem, x, dy, mean, invstd, weight), tvm.cuda(0)), x, dy, mean, invstd, weight, problem, kernel.describe())

@@ -709,8 +709,7 @@ def test_cuda_candidate_on_gpu(shape, options, dtype, mode, candidate):
 def test_shipped_gradient_records_give_correct_kernels(problem):
     """What dispatch runs for every gradient problem of the shipped H200 log (its tuned
     record, or the default where the record is not clearly faster), against torch
-    autograd in float64 with poisoned outputs. No such problem ships at 2026-12-04:
-    the records of that day's tunes wait for this test on the GPU."""
+    autograd in float64 with poisoned outputs (issue 11's five fused shapes since 1509b80)."""
     options = {"weight": True} if problem.has_weight else {}
     check_on_device(problem, options, dispatch.kernel_for(problem, targets.resolve("cuda")), "cuda")
 

@@ -264,8 +264,9 @@ def _argument_bytes(key: tuple) -> int:
 def _evict(used: set[tuple]) -> None:
     """Drop the least recently used arguments outside ``used`` until those left
     outside it take at most :data:`ARGUMENT_CACHE_BYTES`."""
-    spare = sum(_argument_bytes(key) for key in _ARGUMENTS if key not in used)
-    for key in [key for key in _ARGUMENTS if key not in used]:
+    spare_keys = [key for key in _ARGUMENTS if key not in used]
+    spare = sum(map(_argument_bytes, spare_keys))
+    for key in spare_keys:
         if spare <= ARGUMENT_CACHE_BYTES:
             break
         spare -= _argument_bytes(key)
