@@ -756,3 +756,27 @@ def test_in_place_kernel_compiles_without_spills():
     problem = cross_entropy_grad_problem((4096, 32000), "float16", mode="fused", in_place=True)
     report = cuda_report(build_kernel(problem, CUDA, "cross_entropy_grad_row_in_shared"))
     assert not any(report.spill_bytes.values()) and report.vector_loads > 0, report
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+def test_online_gradient_unrolls_rows_read_as_scalars():
+    """V odd in bf16: the online candidate's default ``unroll`` (``FULL_UNROLL``) unrolls
+    its row loops, so the row kernel's PTX holds many more 2-byte loads of the logits
+    than at the old 16 (which left both loops rolled), and nothing spills. Rows on the
+    16-byte grid keep 16 (unrolled at 1024 threads they spill: the module docstring)."""
+    from tvm_fusion.schedules.cuda.cross_entropy_grad_online import FULL_UNROLL
+
+    cand = registry.get("cross_entropy_grad_online")
+    scalar, grid = cross_entropy_grad_problem((16384, 50257), "bfloat16"), cross_entropy_grad_problem((8192, 128256), "bfloat16")
+    assert cand.default_for(scalar, CUDA).unroll == FULL_UNROLL in cand.choices(scalar, CUDA)["unroll"]
+    assert cand.default_for(grid, CUDA).unroll == 16 and FULL_UNROLL not in cand.choices(grid, CUDA)["unroll"]
+
+    def scalar_loads(knobs):
+        report = cuda_report(build_kernel(scalar, CUDA, cand.name, knobs))
+        assert not any(report.spill_bytes.values()) and not any(report.stack_bytes.values()), report
+        (row,) = [k for k in re.split(r"\.entry ", report.ptx)[1:] if re.search(r"st\.global(?:\.\w+)*\.[ub]16", k)]
+        return len(re.findall(r"ld\.global(?:\.nc)?\.[ub]16", row))
+
+    default = cand.default_for(scalar, CUDA)
+    rolled, unrolled = scalar_loads(dataclasses.replace(default, unroll=16)), scalar_loads(default)
+    assert unrolled >= 4 * rolled, (rolled, unrolled)

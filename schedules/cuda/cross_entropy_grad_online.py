@@ -24,12 +24,35 @@ Kernel 3, one block: the sum of the row losses (mean, sum) and ``loss``.
 
 Exp count: 1 + 2/8 per element for the statistics (16-bit inputs), 1 for the map.
 
+``unroll`` is TVM's ``pragma_auto_unroll_max_step``: a loop is unrolled only when its
+trip count times its body's statements stays under it, so 1, 4 and 16 leave both row
+loops rolled (one 16-byte load, or one chunk's eight 2-byte loads, in flight a lane,
+then the exps that wait on it; ``ptxas`` keeps 32 registers). ``FULL_UNROLL`` (1024)
+unrolls them, and ``ptxas`` then issues a lane's next loads before the exps of the
+last. That pays where the rows are read as scalars (V odd in fp16/bf16): H200,
+2026-12-04, rows "probe: fused gradient knobs" of results/benchmarks.csv, 1024
+threads, 16 against 1024: 16384x50257 bf16 1.4185 ms against 1.1625 (1.2101 in
+place, 1.4401 before), 3000x50257 fp16 0.2768 against 0.2243, 32768x50257 bf16
+2.8166 against 2.5012, 1024x151937 bf16 0.3411 against 0.2950, 2048x32001 bf16
+0.1069 against 0.1015; at 512 threads it gains less (1.3810, 0.2686, 0.1092). Most
+of it is the gradient pass's unroll (1.1883 with only that loop unrolled, 1.3991 with
+only the statistics'). 16384x50257 at 1.16 ms moves 2 reads and a write of the logits
+at 99% of the copy rate: the two-read schedule's own limit. So it is the default for
+scalar rows and in their knob space. Not for 16-byte rows: with both loops unrolled
+at 1024 threads nvcc keeps the row's first read for the second in registers and
+spills 792 bytes a thread (8192x128256 bf16 4.1084 ms against 1.5176); at 512
+threads it gains nothing there (1.5218).
+
 Not used: persistent row blocks (a grid of one or two blocks an SM, each walking
 consecutive rows, so that the rows in flight fit in L2 for the gradient pass's
 re-read): slower on every shape tried, the row kernel is short of loads in flight,
 not of L2 hits (H200, 2026-12-03, rows "probe: uncommitted rows_per_block knob" in
 results/benchmarks.csv: 8192x128256 bf16 1.5172 ms a block per row at 1024 threads,
-1.5609 at 256 blocks, 1.8794 at 131; 16384x50257 bf16 1.4286 against 1.6601); the
+1.5609 at 256 blocks, 1.8794 at 131; 16384x50257 bf16 1.4286 against 1.6601), and
+still with the statistics loop unrolled (2026-12-04, the "probe_grad_rows" rows:
+8192x128256 bf16 1.7336 ms at 128 blocks, 1.7058 at 256; in place, where the gradient's
+stores land on the lines just read, 1.4759 at 128 blocks against 1.6764 a block per
+row, still 1.5x the floor); the
 per-element online combine (two exp per element, MUFU-bound); the
 running statistics in shared memory (the forward's ``cross_entropy_online`` keeps
 them there for thread 0 alone; here every thread reads them, which is the race the
@@ -53,6 +76,8 @@ from .common import (
 )
 from .cross_entropy_online import CrossEntropyOnline
 
+# ``unroll`` that unrolls the row loops of a scalar-read row (module docstring).
+FULL_UNROLL = 1024
 
 
 @dataclass(frozen=True)
@@ -89,15 +114,18 @@ class CrossEntropyGradOnline(Candidate):
         return {
             "threads": [128, 256, 512, 1024],
             "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.classes),
-            "unroll": [1, 4, 16],
+            "unroll": [1, 4, 16] if reads_16_bytes(problem.dtype, problem.classes) else [1, 4, 16, FULL_UNROLL],
         }
 
     def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradOnlineKnobs:
         chunk = VECTOR_BYTES // DTYPE_BYTES[problem.dtype]
         threads = max(128, ladder(problem.classes // chunk, THREADS_BY_VECTORS, MAX_THREADS))
-        if not reads_16_bytes(problem.dtype, problem.classes) and problem.classes >= 4096:
-            threads = MAX_THREADS  # scalar rows: the most loads in flight (``prefers`` has the H200 figures)
-        return GradOnlineKnobs(threads=threads, vector=widest_vector(problem.dtype, problem.classes), unroll=16)
+        unroll = 16
+        if not reads_16_bytes(problem.dtype, problem.classes):
+            unroll = FULL_UNROLL  # scalar rows: the loads of unrolled steps in flight together (module docstring)
+            if problem.classes >= 4096:
+                threads = MAX_THREADS  # scalar rows: the most loads in flight (``prefers`` has the H200 figures)
+        return GradOnlineKnobs(threads=threads, vector=widest_vector(problem.dtype, problem.classes), unroll=unroll)
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         # Kernel 1: the targets pass.
