@@ -250,6 +250,27 @@ class IndexedLog:
             count += 1
         return count
 
+    def raw(self, keep: Callable[[ms.database.Workload], bool] | None = None):
+        """``(line number, workload, record JSON)`` of each record not parsed yet (of
+        the workloads ``keep`` accepts, asked once a workload), in the order written,
+        its trace left as JSON: for a reader that needs a record's JSON only
+        (``cost_model.training_rows``). Parse one with :meth:`parse_one`."""
+        kept: dict[int, bool] = {}
+        for number, index, entry in self._pending:
+            if index not in kept:
+                kept[index] = keep is None or keep(self._workloads[index])
+            if kept[index]:
+                yield number, self._workloads[index], entry
+
+    def parse_one(self, number: int, workload: ms.database.Workload, entry: object) -> ms.database.TuningRecord | None:
+        """The record of line ``number`` (as :meth:`raw` gave it) parsed, or None,
+        reported, when it cannot be."""
+        try:
+            return ms.database.TuningRecord.from_json(entry, workload)
+        except Exception as err:  # noqa: BLE001
+            self._report(RECORDS, number, f"not a tuning record ({_short(err)})")
+            return None
+
     def database_for(self, mod) -> ms.database.MemoryDatabase | None:
         """The in-memory database with every readable record of ``mod``'s workload, or
         None when the log has no such workload."""
