@@ -54,7 +54,7 @@ def test_a_records_choice_read_off_its_json_is_the_replayed_one():
         for number, workload, entry in entries[:: max(1, len(entries) // 40)]:
             problem = problem_of(workload.mod["main"])
             record = log.parse_one(number, workload, entry)
-            assert registry.traced_choice(entry[0], problem.op) == registry.replayed_choice(record, problem.op)[:2]
+            assert registry.traced_choice(entry[0]) == registry.replayed_choice(record, problem.op)[:2]
             checked, ops = checked + 1, ops | {problem.op}
             sampled_knobs += bool(entry[0][1])
     assert checked >= 60 and sampled_knobs >= 5 and {"bn_stats", "cross_entropy", "cross_entropy_grad"} <= ops
@@ -62,9 +62,9 @@ def test_a_records_choice_read_off_its_json_is_the_replayed_one():
     trace = [[["GetSBlock", [], ["mean", "main"], ["b0"]],
               ["Annotate", ["b0", '"bn_stats_block_per_channel"'], ["tvm_fusion.candidate"], []],
               ["Annotate", ["b0", "v9"], ["tvm_fusion.knob.threads"], []]], []]
-    assert registry.traced_choice(trace, "bn_stats") is None
+    assert registry.traced_choice(trace) is None
     trace[0][2] = ["Unannotate", ["b0"], ["tvm_fusion.knob.threads"], []]
-    assert registry.traced_choice(trace, "bn_stats") is None
+    assert registry.traced_choice(trace) is None
 
 
 def test_problems_of_few_timed_configurations_train_no_model():

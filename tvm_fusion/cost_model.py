@@ -425,7 +425,7 @@ def training_rows(log_dirs: str | os.PathLike | Iterable[str | os.PathLike], tar
             problem, run_secs = problems_of[id(workload)], entry[1] if isinstance(entry, list) and len(entry) > 1 else None
             if problem is None or not run_secs:
                 continue
-            choice = registry.traced_choice(entry[0], problem.op)
+            choice = registry.traced_choice(entry[0])
             if choice is None:  # a trace the JSON reading cannot follow: parse and replay it
                 record = log.parse_one(number, workload, entry)
                 if record is None:

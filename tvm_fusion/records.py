@@ -231,23 +231,15 @@ class IndexedLog:
         """Parse the records not yet parsed (of the workloads ``keep`` accepts, when
         given: asked once a workload) into :attr:`database`, in the order they were
         written; returns how many were read."""
-        kept_workloads: dict[int, bool] = {}
-        wanted, left = [], []
-        for pending in self._pending:
-            index = pending[1]
-            if index not in kept_workloads:
-                kept_workloads[index] = keep is None or keep(self._workloads[index])
-            (wanted if kept_workloads[index] else left).append(pending)
-        self._pending = left
+        wanted = list(self.raw(keep))
+        taken = {number for number, _, _ in wanted}
+        self._pending = [pending for pending in self._pending if pending[0] not in taken]
         count = 0
-        for number, index, entry in wanted:
-            try:
-                record = ms.database.TuningRecord.from_json(entry, self._workloads[index])
-            except Exception as err:  # noqa: BLE001
-                self._report(RECORDS, number, f"not a tuning record ({_short(err)})")
-                continue
-            self.database.commit_tuning_record(record)
-            count += 1
+        for number, workload, entry in wanted:
+            record = self.parse_one(number, workload, entry)
+            if record is not None:
+                self.database.commit_tuning_record(record)
+                count += 1
         return count
 
     def raw(self, keep: Callable[[ms.database.Workload], bool] | None = None):

@@ -164,7 +164,7 @@ def replayed_choice(record: Any, op: str) -> tuple[str, Knobs, float, Any]:
     return candidate, knobs, statistics.median(float(s) for s in record.run_secs), sch.mod
 
 
-def traced_choice(trace_json: Any, op: str) -> tuple[str, Knobs] | None:
+def traced_choice(trace_json: Any) -> tuple[str, Knobs] | None:
     """The ``(candidate, knobs)`` a tuning record's trace annotates, read off the
     trace's JSON (``[instructions, decisions]``, as the log stores it) without parsing
     or replaying it: each knob annotation's value is a literal or a
@@ -173,7 +173,6 @@ def traced_choice(trace_json: Any, op: str) -> tuple[str, Knobs] | None:
     (a record parsed and replayed: about 60 ms on the 2-core CPU machine, 226 s for the
     3261 rows of the shipped H200 logs). None where the trace says something else (an
     annotation removed, a value of another kind): the caller replays then."""
-    del op  # every candidate annotates its op's ANNOTATED_BLOCK, and only it
     try:
         insts, decisions = trace_json[0], dict((int(i), d) for i, d in trace_json[1])
         picks: dict[str, int] = {}  # a sampled random variable's name -> the value its decision picks
