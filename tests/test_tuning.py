@@ -274,7 +274,6 @@ def test_cli_show_prints_every_level():
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_runner_arguments_are_valid_class_indices_and_real_logits(dtype):
     import tvm
-    from tvm_fusion import tuner
 
     problem = tf.make_problem("cross_entropy", (512, 3000), dtype)
     func = tf.compute.prim_func(problem, "three_pass")
@@ -290,7 +289,6 @@ def test_runner_arguments_are_valid_class_indices_and_real_logits(dtype):
 
 def test_runner_arguments_are_made_once_per_role_dtype_and_shape(monkeypatch):
     import tvm
-    from tvm_fusion import tuner
 
     monkeypatch.setattr(tuner, "_ARGUMENTS", {})
 
