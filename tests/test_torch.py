@@ -126,6 +126,22 @@ def test_no_grad_calls_the_forward_kernel():
     torch.testing.assert_close(loss, tf.cross_entropy(logits.detach(), target, weight))
 
 
+def test_the_eager_graph_node_is_ours_and_a_functorch_transform_gets_torchs_apply():
+    """The eager path builds its graph node with the C++ apply
+    (``tvm_fusion.torch.function_apply``, without torch's Python layer); under a
+    functorch transform it is torch's own ``Function.apply``, which asks for a
+    ``setup_context`` as it did before."""
+    gen = rng()
+    logits, target, _, _ = make_inputs(gen, 8, 50, "float32", {})
+    x = logits.clone().requires_grad_()
+    loss = tft.cross_entropy(x, target)
+    assert type(loss.grad_fn).__name__ == "_CrossEntropyBackward"
+    (grad,) = torch.autograd.grad(loss, x)
+    torch.testing.assert_close(grad.double(), reference(logits, target, None, torch.ones((), dtype=torch.float64))[1])
+    with pytest.raises(RuntimeError, match="setup_context"):
+        torch.func.grad(lambda z: tft.cross_entropy(z, target))(logits)
+
+
 def test_the_module_equals_nn_cross_entropy_loss():
     gen = rng()
     logits, target, weight, kwargs = make_inputs(gen, 24, 513, "float32", {"weight": True})

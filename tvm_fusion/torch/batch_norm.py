@@ -43,6 +43,7 @@ from .. import arrays, records, targets
 from ..contracts.bn_backward import bn_backward_problem
 from ..contracts.bn_forward import bn_forward_problem
 from ..dispatch import kernel_for
+from .function_apply import apply
 
 OP = "tvm_fusion.torch.batch_norm"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -61,7 +62,7 @@ def batch_norm(input: torch.Tensor, running_mean: torch.Tensor | None, running_v
         return _compiled(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)
                                     or (bias is not None and bias.requires_grad)):
-        return _BatchNorm.apply(input, running_mean, running_var, weight, bias, training, momentum, eps)
+        return apply(_BatchNorm, input, running_mean, running_var, weight, bias, training, momentum, eps)
     return forward(input, running_mean, running_var, weight, bias, training, momentum, eps)[0]
 
 

@@ -45,6 +45,7 @@ from .. import api, arrays, records, registry, target_check, targets
 from ..contracts import TargetOutOfRangeError
 from ..contracts.cross_entropy_grad import cross_entropy_grad_problem
 from ..dispatch import kernel_for
+from .function_apply import apply
 from .scale import scale_in_place
 
 OP = "tvm_fusion.torch.cross_entropy"
@@ -79,8 +80,8 @@ def cross_entropy(
         return torch.ops.tvm_fusion.cross_entropy(logits, target, weight, ignore_index, reduction,
                                                  label_smoothing, check_targets)
     if logits.requires_grad and torch.is_grad_enabled():
-        return _CrossEntropy.apply(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets,
-                                   inplace_backward)
+        return apply(_CrossEntropy, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets,
+                     inplace_backward)
     return api.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
 
 

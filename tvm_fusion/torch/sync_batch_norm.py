@@ -68,6 +68,7 @@ from .. import records
 from ..api import bn_stats
 from ..contracts.bn_backward_dx import bn_backward_dx_problem
 from .batch_norm import KERNEL_DTYPES, _BatchNormMixin, _float32, _parameter, _View, backward, forward, output_format
+from .function_apply import apply
 
 OP = "tvm_fusion.torch.sync_batch_norm"
 _DX: dict[tuple, Callable[..., torch.Tensor]] = records.register_cache({})
@@ -148,7 +149,7 @@ def sync_batch_norm(input: torch.Tensor, running_mean: torch.Tensor | None, runn
     group = group or dist.group.WORLD
     if torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)
                                     or (bias is not None and bias.requires_grad)):
-        return _SyncBatchNorm.apply(input, running_mean, running_var, weight, bias, momentum, eps, group)
+        return apply(_SyncBatchNorm, input, running_mean, running_var, weight, bias, momentum, eps, group)
     return sync_forward(input, running_mean, running_var, weight, bias, momentum, eps, group)[0]
 
 
