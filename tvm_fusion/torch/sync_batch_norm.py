@@ -67,7 +67,8 @@ from torch import nn
 from .. import records
 from ..api import bn_stats
 from ..contracts.bn_backward_dx import bn_backward_dx_problem
-from .batch_norm import KERNEL_DTYPES, _BatchNormMixin, _float32, _parameter, _View, backward, forward, output_format
+from .batch_norm import (KERNEL_DTYPES, _BatchNormMixin, _float32, _parameter, _View, as_dtype, backward, forward,
+                         output_format)
 from .function_apply import apply
 
 OP = "tvm_fusion.torch.sync_batch_norm"
@@ -188,7 +189,7 @@ def local_moments(input: torch.Tensor) -> torch.Tensor:
     if n == 0:
         return torch.zeros(2 * channels + 1, dtype=torch.float32, device=input.device)
     view = _View(input)
-    view.kernel_shape = view.shape  # bn_stats takes the view in its layout, NHWC channels last
+    view.take_as(view.shape)  # bn_stats takes the view in its layout, NHWC channels last
     mean, var = bn_stats(view.to_kernel(input.detach()), view.layout)
     return torch.cat([mean.new_full((1,), float(n)), mean, var * n])
 
@@ -249,7 +250,7 @@ def backward_dx(grad: torch.Tensor, input: torch.Tensor, mean: torch.Tensor, inv
 def _dx_launcher(key, input, weight):
     view = _View(input)
     channels, device, dtype = input.shape[1], input.device, input.dtype
-    _, kernel, kind = view.kernel(input, bn_backward_dx_problem, OP, affine=weight is not None)
+    _, kernel, kind = view.kernel(input, bn_backward_dx_problem, ("x", "dy", "dx"), OP, affine=weight is not None)
     func, affine = kernel.func, weight is not None
     new_dx = view.output(kind, kernel.outputs[0][2])
     weight_of = _parameter(channels, device, 1.0)
@@ -283,5 +284,5 @@ class _SyncBatchNorm(torch.autograd.Function):
         input, mean, invstd, count, weight = ctx.saved_tensors
         dx, dweight, dbias = sync_backward(grad, input, mean, invstd, count, weight, ctx.group,
                                            ctx.needs_input_grad[0])
-        return (dx, None, None, None if weight is None else dweight.to(weight.dtype),
-                None if ctx.bias_dtype is None else dbias.to(ctx.bias_dtype), None, None, None)
+        return (dx, None, None, None if weight is None else as_dtype(dweight, weight.dtype),
+                None if ctx.bias_dtype is None else as_dtype(dbias, ctx.bias_dtype), None, None, None)
