@@ -333,3 +333,54 @@ def test_batch_norm_kernels_taking_the_inputs_shape_generate_the_same_cuda(op, n
             for name in names:
                 source = source.replace(f"{name}_as_called", name)
             assert plain.device_source() == source, f"{cand.name} {layout}"
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+def test_cpu_scratch_is_per_thread_and_reused(monkeypatch):
+    """A CPU call's scratch (row losses, lse, the flag) is one set per host thread,
+    reused by that thread's later calls: threads calling one launcher at once each
+    get their own answer, a bad target in one call is not remembered by the next, and
+    a thread's second call allocates only what it returns."""
+    import threading
+
+    import tvm_fusion.torch as tft
+
+    gen = rng()
+    batch, classes = 48, 300
+    inputs = [(torch.from_numpy(random_floats(gen, (batch, classes), "float32")).requires_grad_(),
+               torch.from_numpy(gen.integers(0, classes, batch))) for _ in range(4)]
+    want = [(ce_ref.reference(lg.detach().numpy(), t.numpy()), None) for lg, t in inputs]
+    for lg, t in inputs[:1]:
+        tft.cross_entropy(lg, t).backward()  # builds the launcher
+    got, errors = {}, []
+
+    def worker(k):
+        try:
+            lg, t = inputs[k]
+            for _ in range(25):
+                loss = tft.cross_entropy(lg, t)
+                got[k] = float(loss.detach())
+        except Exception as error:  # reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    for k in range(4):
+        assert_close(np.float64(got[k]), want[k][0], 1e-5, 1e-5, f"thread {k}")
+
+    lg, t = inputs[0]
+    bad = t.clone()
+    bad[7] = classes
+    with pytest.raises(tf.TargetOutOfRangeError, match=r"target\[7\]"):
+        tft.cross_entropy(lg, bad)
+    assert_close(np.float64(float(tft.cross_entropy(lg, t).detach())), want[0][0], 1e-5, 1e-5, "after a bad target")
+
+    made = []
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: made.append(a) or empty(*a, **k))
+    tft.cross_entropy(lg, t)
+    assert len(made) == 2, f"a call allocated {made}: the loss and the gradient only"

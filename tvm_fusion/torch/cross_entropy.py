@@ -201,7 +201,7 @@ def _kernel_launcher(kernel, kind, la, ta, wa, problem, check_targets, ignore_in
         else:
             func(*args, *outs)
             if check_targets:
-                row = int(outs[flag_at][0])
+                row = outs[flag_at].item()  # int(t[0]) makes a view first: 1.6 us against 0.2
                 if row < batch:
                     raise TargetOutOfRangeError(row, int(target[row]), classes, ignore_index)
         if in_place and outs[grad_at] is not logits:  # an aligned copy (or a view) took the gradient
