@@ -410,6 +410,42 @@ def test_the_grid_pipeline_builds_and_logs_every_configuration_once(workers, tmp
         tvm.ir.assert_structural_equal(before.workload.mod, after.workload.mod)
 
 
+@pytest.mark.parametrize("batch", [1, 16])
+def test_configurations_of_the_same_code_are_run_once_and_logged_with_its_time(batch, tmp_path, monkeypatch):
+    """Knob values that compile to the same code (TVM's auto-unroll step 1 and 4 both
+    leave cross_entropy_online's row loop rolled on 4096x32000) are run once, in one
+    batch or across batches, and each configuration is logged with that run's time; a
+    value that changes the code (16) is run."""
+    online = registry.get("cross_entropy_online")
+    configs = [(TUNED, online, online.knobs(threads=128, unroll=u)) for u in (1, 4, 16)]
+    keys = []
+    for _, cand, knobs in configs:
+        sch = cand.apply(prim_func(TUNED, cand.algorithm), CUDA, knobs=knobs)
+        (built,) = tuner.InProcessBuilder().build([ms.builder.BuilderInput(sch.mod, CUDA)])
+        keys.append(tuner.code_key(built.artifact_path))
+    assert keys[0] == keys[1] != keys[2]
+    runs = []
+
+    class Runner:
+        def run(self, inputs):
+            futures = []
+            for item in inputs:
+                runs.append(item.artifact_path)
+                futures.append(_TimedRun(item, 1e-5 * len(runs)))
+            return futures
+
+    monkeypatch.setattr(tuner, "make_runner", lambda timeout=0: Runner())
+    monkeypatch.setattr(tuner, "workers", lambda: 1)
+    monkeypatch.setattr(tuner, "GRID_BATCH", batch)
+    assert tuner.grid_records([TUNED], CUDA, tmp_path, configs=configs) == 3
+    assert len(runs) == 2
+    log = records.load(records.folder(tmp_path, CUDA), strict=True)
+    times = {str(k): s for c, k, s, _ in (registry.replayed_choice(r, "cross_entropy")
+                                          for r in log.database.get_all_tuning_records())}
+    assert times == {str(configs[0][2]): pytest.approx(1e-5), str(configs[1][2]): pytest.approx(1e-5),
+                     str(configs[2][2]): pytest.approx(2e-5)}
+
+
 def test_training_rows_of_some_problems_parse_only_theirs():
     """With ``problems``, training_rows returns the same rows as a full read filtered to
     them (``tuner.untimed`` reads the shipped grids so: 65 s for a full read on the CI

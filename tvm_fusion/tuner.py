@@ -38,8 +38,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import hashlib
 import os
 import sys
+import tarfile
 import time
 import types
 from collections.abc import Callable, Sequence
@@ -454,13 +456,14 @@ def measure_into(database: Any, target: Target, builder: Any, runner: Any,
                  configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]]) -> list[float]:
     """Build, time and log each ``(problem, candidate, knobs)`` as a tuning record of
     ``database``; a configuration that fails to build or run (too many threads for
-    the block, say) is skipped. Returns the median seconds of those logged. ``runner``
-    may be a future of one still starting: the builds go first."""
+    the block, say) is skipped, and one whose code another's build already has is
+    logged with that run's times (:func:`_start_runs`). Returns the median seconds of
+    those logged. ``runner`` may be a future of one still starting: the builds go first."""
     scheduled = _scheduled(configs, target)
     built = builder.build([ms.builder.BuilderInput(sch.mod, target) for _, sch in scheduled])
     if isinstance(runner, concurrent.futures.Future):
         runner = runner.result()
-    return _log_runs(database, target, _start_runs(runner, target, scheduled, built))
+    return _log_runs(database, target, _start_runs(runner, target, scheduled, built, {}))
 
 
 def _scheduled(configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]],
@@ -470,22 +473,68 @@ def _scheduled(configs: Sequence[tuple[Problem, registry.Candidate, registry.Kno
     return [(func, cand.apply(func, target, knobs=knobs)) for func, (_, cand, knobs) in zip(funcs, configs)]
 
 
+def code_key(artifact_path: str) -> str:
+    """What a built configuration's code is: a hash of the members of its exported
+    archive (names and bytes), not of the archive, whose headers carry the export's
+    time. Knob values that change nothing in the generated code give the same key:
+    an ``unroll`` auto-unroll step below a loop's trip count leaves it rolled whatever
+    its value. Of the 790 configurations the CUDA cross entropy candidates offer for
+    eight forward and gradient problems (the bench table's shapes, 3000x50257 and the
+    from-lse gradient; CUDA source compared, 2026-12-05), 471 have distinct code; the
+    gradient of 16384x50257 bf16, 27 of 60."""
+    digest = hashlib.sha256()
+    try:
+        with tarfile.open(artifact_path) as archive:
+            for member in sorted(archive.getmembers(), key=lambda m: m.name):
+                content = archive.extractfile(member)
+                digest.update(member.name.encode() + b"\0" + (content.read() if content is not None else b""))
+    except (tarfile.TarError, OSError):  # not an archive: its bytes, which are then the key
+        with open(artifact_path, "rb") as handle:
+            digest.update(handle.read())
+    return digest.hexdigest()
+
+
+class _Twin:
+    """A runner future for a configuration not run: the result of the run of its code."""
+
+    def __init__(self, result: Any):
+        self._result = result
+
+    def result(self) -> Any:
+        return self._result
+
+
 def _start_runs(runner: Any, target: Target, scheduled: list[tuple[Any, Any]],
-                built: list[ms.builder.BuilderResult]) -> list[tuple[Any, Any, Any, Any]]:
-    """Hand the built configurations to the runner: (compute, schedule, args, future)."""
+                built: list[ms.builder.BuilderResult], timed: dict[str, Any]) -> list[tuple[Any, ...]]:
+    """Hand the built configurations to the runner: (compute, schedule, args, future,
+    code key) each. A configuration whose code (:func:`code_key`) one earlier in
+    ``built`` has, or one already timed (``timed``, code key to runner result, which
+    :func:`_log_runs` fills), is not run: its future is that run's. A duplicate run
+    would be GPU time for a time already known, and the twin's time is this
+    configuration's own (the same code), so the grid and the cost model keep it."""
     device_type = "cuda" if target.kind.name == "cuda" else "cpu"  # as MetaSchedule names devices
-    ready = [(func, sch, ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]), result)
+    ready = [(func, sch, ms.arg_info.ArgInfo.from_prim_func(sch.mod["main"]), result, code_key(result.artifact_path))
              for (func, sch), result in zip(scheduled, built) if not result.error_msg]
-    futures = runner.run([ms.runner.RunnerInput(result.artifact_path, device_type, args_info)
-                          for _, _, args_info, result in ready])
-    return [(func, sch, args_info, future) for (func, sch, args_info, _), future in zip(ready, futures)]
+    first: dict[str, int] = {}
+    for i, (*_, key) in enumerate(ready):
+        if key not in timed:
+            first.setdefault(key, i)
+    futures = runner.run([ms.runner.RunnerInput(ready[i][3].artifact_path, device_type, ready[i][2])
+                          for i in first.values()])
+    by_key = dict(zip(first, futures))
+    return [(func, sch, args_info, by_key[key] if key in by_key else _Twin(timed[key]), key)
+            for func, sch, args_info, _, key in ready]
 
 
-def _log_runs(database: Any, target: Target, runs: list[tuple[Any, Any, Any, Any]]) -> list[float]:
-    """Wait for the runs and commit each timed one as a tuning record."""
+def _log_runs(database: Any, target: Target, runs: list[tuple[Any, ...]], timed: dict[str, Any] | None = None
+              ) -> list[float]:
+    """Wait for the runs and commit each timed one as a tuning record; each result
+    goes into ``timed`` under its code key."""
     logged = []
-    for func, sch, args_info, future in runs:
+    for func, sch, args_info, future, key in runs:
         result = future.result()
+        if timed is not None:
+            timed.setdefault(key, result)
         if result.error_msg or not result.run_secs:
             continue
         workload = database.commit_workload(tvm.IRModule({"main": func}))
@@ -645,7 +694,7 @@ def grid_records(
     database = records.json_database(records.folder(log_dir, target))
     builder, runner = PoolBuilder(workers()) if workers() > 2 else InProcessBuilder(), make_runner(runner_timeout)
     pooled = isinstance(builder, PoolBuilder)
-    written, best, runs = 0, float("inf"), []
+    written, best, runs, timed = 0, float("inf"), [], {}
     try:
         with tvm.transform.PassContext(opt_level=3), target:
             # A pipeline: this batch is scheduled and built while the runner times the one before.
@@ -655,12 +704,12 @@ def grid_records(
                 mods = [sch.mod for _, sch in scheduled]
                 pending = (builder.submit(mods, target) if pooled else
                            builder.build([ms.builder.BuilderInput(mod, target) for mod in mods]))
-                logged = _log_runs(database, target, runs)
+                logged = _log_runs(database, target, runs, timed)
                 written, best = written + len(logged), min([best, *logged])
                 if progress is not None and start:
                     progress(min(start, len(configs)), best)
                 built = [PoolBuilder.result(f) for f in pending] if pooled else pending
-                runs = _start_runs(runner, target, scheduled, built) if scheduled else []
+                runs = _start_runs(runner, target, scheduled, built, timed) if scheduled else []
     finally:
         if pooled:
             builder.close()
