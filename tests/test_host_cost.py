@@ -36,3 +36,26 @@ def test_breakdown_times_every_step_and_restores_the_launchers(monkeypatch, tmp_
     launcher = api._LAUNCHERS[("bn_stats", arrays.signature(x), "NCHW")]
     cells = dict(zip(launcher.__code__.co_freevars, launcher.__closure__))
     assert isinstance(cells["func"].cell_contents, tvm_ffi.Function), "the no-op launch was left in place"
+
+
+@pytest.mark.skipif(torch is None, reason="needs torch")
+def test_training_steps_time_ours_and_torchs_parts_and_append_csv_rows(monkeypatch, tmp_path):
+    """``--train`` times each training-step part for tvm_fusion.torch and torch eager
+    (every part a positive figure for both) and appends one CSV row each, with no
+    bandwidth (a host time moves no bytes)."""
+    import csv
+
+    monkeypatch.setattr(host_cost, "CALLS", 2)
+    monkeypatch.setattr(host_cost, "TRAIN_ROUNDS", 1)
+    out, table = tmp_path / "host.json", tmp_path / "bench.csv"
+    assert host_cost.main(["--device", "cpu", "--train", "--csv", str(table), "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())["host_us"]
+    assert len(figures) == 10 and all(us > 0 for us in figures.values())
+    assert "BatchNorm2d forward+backward 4x8x5x5 float32 layout=channels_last: torch eager" in figures
+    rows = list(csv.DictReader(table.open()))
+    assert len(rows) == 10 and {r["provider"] for r in rows} == {"tvm_fusion.torch: host time",
+                                                                  "torch eager: host time"}
+    assert all(float(r["median_ms"]) > 0 and r["gb_s"] == "" and r["frac_copy"] == "" for r in rows)
+    assert {r["options"] for r in rows} == {"", "layout=channels_last"}
+    with pytest.raises(SystemExit):
+        host_cost.main(["--csv", str(table)])  # --csv without --train

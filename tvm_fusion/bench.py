@@ -110,7 +110,7 @@ class Result:
 
     @property
     def gb_s(self) -> float | None:
-        return None if not self.median_ms else self.bytes_moved / (self.median_ms * 1e-3) / 1e9
+        return None if not self.median_ms or not self.bytes_moved else self.bytes_moved / (self.median_ms * 1e-3) / 1e9
 
 
 # -- environment ---------------------------------------------------------------------

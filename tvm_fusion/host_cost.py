@@ -7,7 +7,10 @@ takes on torch tensors: an output allocation, the signature, the launch counter,
 a TVM function call with one and with six tensor arguments of an empty kernel,
 each call's compiled kernel called directly on prepared arguments, and the whole
 call, next to torch's own launch and call. When the call is longer than its
-kernel it is host-bound, and the table says which step to cut.
+kernel it is host-bound, and the table says which step to cut. ``--train`` times
+instead a training step's parts through ``tvm_fusion.torch`` against torch eager's
+(cross entropy, a BatchNorm2d module), and ``--csv`` appends those figures to the
+benchmark CSV.
 
 This times the host only; ``tvm-fusion bench`` (api rows) times what the caller
 sees, which is the longer of host and kernel.
@@ -231,6 +234,75 @@ def single_launch_ab(rounds: int = 3) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
 
 
+# A training step's parts, at shapes whose kernels are shorter than the host's work:
+# (cross entropy logits, dtype, BatchNorm2d input, dtype) on each device.
+TRAIN_SHAPES = {"cuda": ((128, 32000), "float16", (8, 64, 28, 28), "float16"),
+                "cpu": ((8, 64), "float32", (4, 8, 5, 5), "float32")}
+TRAIN_ROUNDS = 9
+
+
+def training_steps(device: str = "cuda", rounds: int = TRAIN_ROUNDS) -> list[tuple[str, tuple, str, str, str, float]]:
+    """Host microseconds per call of a training step's parts, ours (``tvm_fusion.torch``)
+    and torch eager's, in rows ``(part, shape, dtype, options, provider, us)``: cross
+    entropy's forward with the logits needing a gradient and its forward + backward,
+    a ``BatchNorm2d`` module's forward and its forward + backward, contiguous and
+    channels-last. Each round times every call once (a loop of :data:`CALLS`), ours and
+    torch's in turn, so a drift of the host's speed moves both; the figure is the
+    median over ``rounds`` rounds. On the CPU the kernels run inside the call, so the
+    shapes there are tiny (:data:`TRAIN_SHAPES`)."""
+    import torch
+    import torch.nn.functional as F
+
+    import tvm_fusion as tf
+    import tvm_fusion.torch as tft
+
+    cuda = device == "cuda"
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    (batch, classes), ce_dtype, bn_shape, bn_dtype = TRAIN_SHAPES["cuda" if cuda else "cpu"]
+    gen = torch.Generator(device=dev).manual_seed(0)
+    logits = torch.randn(batch, classes, device=dev, generator=gen).to(getattr(torch, ce_dtype)).requires_grad_()
+    target = torch.randint(0, classes, (batch,), device=dev, generator=gen)
+    channels, dt = bn_shape[1], getattr(torch, bn_dtype)
+    ours_bn, torch_bn = tft.BatchNorm2d(channels).to(dev), torch.nn.BatchNorm2d(channels).to(dev)
+    inputs = {fmt: torch.randn(bn_shape, device=dev, generator=gen).to(dt).to(memory_format=fmt).requires_grad_()
+              for fmt in (torch.contiguous_format, torch.channels_last)}
+    dy = torch.randn(bn_shape, device=dev, generator=gen).to(dt)
+    x, xc = inputs[torch.contiguous_format], inputs[torch.channels_last]
+    ce_shape, bn = (batch, classes), bn_shape
+    parts = [
+        ("cross_entropy forward", ce_shape, ce_dtype, "",
+         lambda: tft.cross_entropy(logits, target), lambda: F.cross_entropy(logits, target)),
+        ("cross_entropy forward+backward", ce_shape, ce_dtype, "",
+         lambda: tft.cross_entropy(logits, target).backward(), lambda: F.cross_entropy(logits, target).backward()),
+        ("BatchNorm2d forward", bn, bn_dtype, "", lambda: ours_bn(x), lambda: torch_bn(x)),
+        ("BatchNorm2d forward+backward", bn, bn_dtype, "",
+         lambda: ours_bn(x).backward(dy), lambda: torch_bn(x).backward(dy)),
+        ("BatchNorm2d forward+backward", bn, bn_dtype, "layout=channels_last",
+         lambda: ours_bn(xc).backward(dy), lambda: torch_bn(xc).backward(dy)),
+    ]
+    samples: dict[tuple, list[float]] = {}
+    for _ in range(rounds):
+        for part, shape, dtype, options, ours, theirs in parts:
+            for provider, call in (("tvm_fusion.torch", ours), ("torch eager", theirs)):
+                samples.setdefault((part, shape, dtype, options, provider), []).append(host_us(call, sync, repeats=1))
+    tf.check_targets()  # the deferred target checks of the timed calls
+    return [(*key, statistics.median(values)) for key, values in samples.items()]
+
+
+def append_training_rows(rows: list[tuple[str, tuple, str, str, str, float]], path: str, device: str,
+                         rounds: int = TRAIN_ROUNDS) -> None:
+    """``rows`` of :func:`training_steps` (over ``rounds`` rounds) appended to the
+    benchmark CSV, one per part and provider."""
+    from .bench import Case, Result, append_csv, hardware_name
+
+    method = f"host perf_counter median of {rounds} interleaved loops of {CALLS} (host_cost --train)"
+    results = [Result(Case(part.replace(" ", "_"), shape, dtype, (tuple(options.split("=", 1)),) if options else ()),
+                      f"{provider}: host time", us / 1e3, 0, method, "ok")
+               for part, shape, dtype, options, provider, us in rows]
+    append_csv(results, path, hardware_name(device == "cuda"), copy_gb_s=float("nan"))
+
+
 def environment() -> dict[str, Any]:
     import torch
     import tvm_ffi
@@ -251,13 +323,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", choices=["cuda", "cpu"], help="default: cuda when torch sees a GPU")
     parser.add_argument("--ab", action="store_true",
                         help="also the merged against the two-launch kernels, interleaved (CUDA)")
+    parser.add_argument("--train", action="store_true",
+                        help="only a training step's parts, ours against torch eager's, interleaved")
+    parser.add_argument("--csv", help="with --train: append the figures to this benchmark CSV")
     parser.add_argument("--json", help="also write the figures to this file")
     args = parser.parse_args(argv)
+    if args.csv and not args.train:
+        parser.error("--csv needs --train")
     import torch
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     env = environment()
-    figures = breakdown(device)
+    if args.train:
+        rows = training_steps(device, TRAIN_ROUNDS)
+        if args.csv:
+            append_training_rows(rows, args.csv, device, TRAIN_ROUNDS)
+        figures = {" ".join(filter(None, (part, "x".join(map(str, shape)), dtype, options))) + f": {provider}": us
+                   for part, shape, dtype, options, provider, us in rows}
+    else:
+        figures = breakdown(device)
     if args.ab and device == "cuda":
         figures.update(single_launch_ab())
     print(" ".join(f"{k}={v}" for k, v in env.items()))
