@@ -265,10 +265,9 @@ def training_steps(device: str = "cuda", rounds: int = TRAIN_ROUNDS) -> list[tup
     target = torch.randint(0, classes, (batch,), device=dev, generator=gen)
     channels, dt = bn_shape[1], getattr(torch, bn_dtype)
     ours_bn, torch_bn = tft.BatchNorm2d(channels).to(dev), torch.nn.BatchNorm2d(channels).to(dev)
-    inputs = {fmt: torch.randn(bn_shape, device=dev, generator=gen).to(dt).to(memory_format=fmt).requires_grad_()
-              for fmt in (torch.contiguous_format, torch.channels_last)}
+    x, xc = (torch.randn(bn_shape, device=dev, generator=gen).to(dt).to(memory_format=fmt).requires_grad_()
+             for fmt in (torch.contiguous_format, torch.channels_last))
     dy = torch.randn(bn_shape, device=dev, generator=gen).to(dt)
-    x, xc = inputs[torch.contiguous_format], inputs[torch.channels_last]
     ce_shape, bn = (batch, classes), bn_shape
     parts = [
         ("cross_entropy forward", ce_shape, ce_dtype, "",

@@ -463,7 +463,8 @@ def measure_into(database: Any, target: Target, builder: Any, runner: Any,
     built = builder.build([ms.builder.BuilderInput(sch.mod, target) for _, sch in scheduled])
     if isinstance(runner, concurrent.futures.Future):
         runner = runner.result()
-    return _log_runs(database, target, _start_runs(runner, target, scheduled, built, {}))
+    timed: dict[str, Any] = {}
+    return _log_runs(database, target, _start_runs(runner, target, scheduled, built, timed), timed)
 
 
 def _scheduled(configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]],
@@ -526,15 +527,13 @@ def _start_runs(runner: Any, target: Target, scheduled: list[tuple[Any, Any]],
             for func, sch, args_info, _, key in ready]
 
 
-def _log_runs(database: Any, target: Target, runs: list[tuple[Any, ...]], timed: dict[str, Any] | None = None
-              ) -> list[float]:
+def _log_runs(database: Any, target: Target, runs: list[tuple[Any, ...]], timed: dict[str, Any]) -> list[float]:
     """Wait for the runs and commit each timed one as a tuning record; each result
     goes into ``timed`` under its code key."""
     logged = []
     for func, sch, args_info, future, key in runs:
         result = future.result()
-        if timed is not None:
-            timed.setdefault(key, result)
+        timed.setdefault(key, result)
         if result.error_msg or not result.run_secs:
             continue
         workload = database.commit_workload(tvm.IRModule({"main": func}))

@@ -161,34 +161,23 @@ class _View:
         ``(the tensor, its view as the kernel's parameter)``. The caller gets the
         tensor itself, not a view: autograd forbids an in-place op (``ReLU(inplace=True)``
         after the BatchNorm) on a view made inside a custom Function."""
-        kernel_shape = self.kernel_shape
+        kernel_shape, reshape = self.kernel_shape, self.reshape
         if self.channels_last:
             allocate = kind.allocator(self.input_shape, dtype, torch.channels_last)
-            if not self.reshape:
-                def channels_last():
-                    out = allocate()
-                    return out, out.permute(0, 2, 3, 1)
 
-                return channels_last
-
-            def channels_last_view():
+            def channels_last():
                 out = allocate()
-                return out, out.permute(0, 2, 3, 1).view(kernel_shape)
+                arg = out.permute(0, 2, 3, 1)
+                return out, arg.view(kernel_shape) if reshape else arg
 
-            return channels_last_view
+            return channels_last
         allocate = kind.allocator(self.input_shape, dtype)
-        if not self.reshape:
-            def contiguous():
-                out = allocate()
-                return out, out
 
-            return contiguous
-
-        def contiguous_view():
+        def contiguous():
             out = allocate()
-            return out, out.view(kernel_shape)
+            return out, out.view(kernel_shape) if reshape else out
 
-        return contiguous_view
+        return contiguous
 
 
 def output_format(input: torch.Tensor) -> torch.memory_format:
