@@ -7,6 +7,12 @@ target's logs in a searched folder (``cost_model_<target key>.json``, see
 :mod:`tvm_fusion.cost_model`), its fastest predicted candidate and knobs, else the
 registry's heuristic: the first applicable candidate in ``DISPATCH_ORDER`` that
 prefers the shape, default knobs.
+
+Whichever way it was chosen, the kernel is the candidate's schedule of today at the
+chosen knobs: a record names the candidate and knobs and times them, but its module
+(``Choice.mod``, kept for inspection) keeps the schedule code it was tuned with, so a
+fix to a candidate's schedule (a stage that now merges into one launch, a loop now
+unrolled) would never reach the shapes that were tuned.
 """
 
 from __future__ import annotations
@@ -155,8 +161,16 @@ def kernel_for(problem: Problem, target: Target, log_dir: str | os.PathLike | No
     key = (*_cache_key(problem, target, log_dir), input_shapes)
     if key not in _KERNELS:
         choice = choose(problem, target, log_dir)
-        _KERNELS[key] = build_kernel(problem, target, choice.candidate, choice.knobs, choice.source, mod=choice.mod,
-                                     input_shapes=input_shapes)
+        try:
+            kernel = build_kernel(problem, target, choice.candidate, choice.knobs, choice.source,
+                                  input_shapes=input_shapes)
+        except (ValueError, RuntimeError):  # today's schedule refuses the record's knobs (a ScheduleError
+            # is a RuntimeError): the record's own module, as it was tuned
+            if choice.mod is None:
+                raise
+            kernel = build_kernel(problem, target, choice.candidate, choice.knobs, choice.source, mod=choice.mod,
+                                  input_shapes=input_shapes)
+        _KERNELS[key] = kernel
     return _KERNELS[key]
 
 

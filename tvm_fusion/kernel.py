@@ -24,7 +24,7 @@ import tvm_ffi
 import tvm.support.nvcc  # noqa: F401  (registers the CUDA JIT callback used at load on a GPU)
 from tvm.target import Target
 
-from . import registry, single_launch, targets
+from . import launch_order, registry, single_launch, targets
 from .compute import prim_func
 from .contracts import Problem
 from .registry import Knobs
@@ -274,10 +274,10 @@ def build_kernel(
     inputs the compiled function takes in their caller's shape (``compiled_form``)."""
     cand = registry.get(candidate)
     knobs = knobs or cand.default_for(problem, target)
-    # single_launch.ENABLED is in the key: a build with the merge switched off (an
-    # A/B in one process) is another kernel.
+    # single_launch.ENABLED and launch_order.ENABLED are in the key: a build with the
+    # merge or the reversal switched off (an A/B in one process) is another kernel.
     cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm_ffi.structural_hash(mod),
-                 input_shapes, single_launch.ENABLED, WORKSPACE_PARAMS)
+                 input_shapes, single_launch.ENABLED, launch_order.ENABLED, WORKSPACE_PARAMS)
     with _LOCK:
         if cache_key in _CACHE:
             return _CACHE[cache_key]
@@ -286,7 +286,7 @@ def build_kernel(
         mod = sch.mod
     with target:
         compiled = compiled_form(mod, problem, input_shapes, workspace=WORKSPACE_PARAMS and target.kind.name == "cuda")
-        pipeline = ALIASED_PIPELINE if getattr(problem, "in_place", False) else "default"
+        pipeline = ALIASED_PIPELINE if getattr(problem, "in_place", False) else launch_order.PIPELINE
         if target.kind.name == "cuda" and problem.op in SINGLE_LAUNCH_OPS and single_launch.ENABLED:
             compiled, pipeline = single_launch.with_launch_counter(compiled), single_launch.PIPELINE
         executable = tvm.compile(compiled, target=target, tir_pipeline=pipeline)
@@ -302,14 +302,14 @@ SINGLE_LAUNCH_OPS = ("cross_entropy", "bn_stats")
 
 
 def _aliased_pipeline(**kwargs):
-    """TVM's default TIR pipeline, then every function's no-alias promise withdrawn.
+    """``launch_order``'s pipeline (TVM's default), then every function's no-alias promise withdrawn.
 
     For a problem that writes an output over an input (the gradient over the logits):
     SplitHostDevice marks every device kernel ``tirx.noalias``, which prints each
     pointer ``__restrict__`` and lets the compiler read the input through the
     non-coherent cache or reload it after a store. Without it the generated code keeps
     every load before the stores that follow it."""
-    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
+    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE, **kwargs)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.WithdrawNoAlias")
     def withdraw_no_alias(mod, _ctx):

@@ -35,6 +35,8 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
+from . import launch_order
+
 COUNTER = "launch_counter"
 # TVM_FUSION_SINGLE_LAUNCH=0 builds every kernel as scheduled (an A/B switch).
 ENABLED = os.environ.get("TVM_FUSION_SINGLE_LAUNCH", "1") != "0"
@@ -43,10 +45,7 @@ ENABLED = os.environ.get("TVM_FUSION_SINGLE_LAUNCH", "1") != "0"
 # its blocks spread over the SMs.
 MAX_SERIAL_BLOCKS = 4
 PIPELINE = "tvm_fusion_single_launch"
-# What TVM's s_tir pipeline runs after its cross-thread lowering: held back, then run
-# after the merge (a kernel boundary must still be there to move).
-_TAIL = ("s_tir.MergeSharedMemoryAllocations", "tirx.SplitHostDevice", "tirx.MakePackedAPI",
-         "tirx.FP8StorageLegalize", "tirx.BF16StorageLegalize")
+
 
 
 def with_launch_counter(mod: tvm.IRModule) -> tvm.IRModule:
@@ -218,23 +217,12 @@ def merge_launches(mod, _ctx):
 
 def _single_launch_pipeline(**kwargs):
     """TVM's s_tir pipeline with :func:`merge_launches` between its cross-thread
-    lowering and its host/device split."""
+    lowering (and ``launch_order``'s reversal of marked loops) and its host/device split."""
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.SingleLaunchPipeline")
     def run(mod, ctx):
-        with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
-                                       disabled_pass=[*ctx.disabled_pass, *_TAIL], config=dict(ctx.config),
-                                       instruments=list(ctx.instruments)):
-            mod = pipeline(mod)
-        mod = merge_launches(mod)
-        return tvm.transform.Sequential([
-            tvm.s_tir.transform.MergeSharedMemoryAllocations(),
-            tirx.transform.SplitHostDevice(),
-            tirx.transform.MakePackedAPI(),
-            tirx.transform.FP8StorageLegalize(),
-            tirx.transform.BF16StorageLegalize(),
-        ])(mod)
+        return launch_order.tail()(merge_launches(launch_order.lowered(pipeline, mod, ctx)))
 
     return run, finalize_host, finalize_device
 

@@ -70,6 +70,7 @@ from typing import Any
 from tvm import s_tir
 from tvm.target import Target
 
+from tvm_fusion import launch_order
 from tvm_fusion.compute.bn_forward import channel_outputs
 from tvm_fusion.contracts import BNForwardProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
@@ -266,6 +267,8 @@ def column_map(sch: s_tir.Schedule, name: str, knobs, plane: int, computed: tupl
     sch.vectorize(out_vec)
     sch.unroll(out_rows)
     sch.unroll(batch)
+    # Each block walks its rows from the end, which kernel 1 read last (launch_order).
+    launch_order.reverse(sch, step)
 
 
 @register

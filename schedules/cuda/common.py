@@ -13,6 +13,7 @@ from typing import Any
 from tvm import s_tir
 from tvm.target import Target
 
+from tvm_fusion import launch_order
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder
 from tvm_fusion.targets import sm_count
@@ -187,6 +188,8 @@ def grad_map(
     store = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(store, serial, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(store)[-1])
+    # From the row's end: the statistics pass read it last, so it is the part still in L2.
+    launch_order.reverse(sch, serial)
 
 
 def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str) -> None:
@@ -307,6 +310,8 @@ def plane_map(sch: s_tir.Schedule, block, knobs, staged: tuple[str, ...]) -> Non
     for name in staged:
         stage_in_registers(sch, block, name, serial)
     store_vectors(sch, block, serial, vec, perfect=chunks % knobs_value(sch, knobs.threads) == 0)
+    # From the channel's end, which the block's reduction read last (launch_order).
+    launch_order.reverse(sch, serial)
 
 
 def store_vectors(sch: s_tir.Schedule, block, at, vec, perfect: bool) -> None:
@@ -511,6 +516,9 @@ def tensor_map(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: A
     run, serial, lane = sch.split(sch.fuse(n, c, l_outer), [None, knobs.map_steps, knobs.map_threads])
     sch.reorder(lane, serial)
     sch.bind(run, "blockIdx.x")
+    # Last block first: kernel 1's blocks run channels fastest and its runs of (n, l)
+    # in order, so the tensor's end is what it read last, still in L2 (launch_order).
+    launch_order.reverse(sch, run)
     sch.bind(lane, "threadIdx.x")
     unroll(sch, serial, knobs.map_steps)
     sch.unroll(vec)
@@ -814,6 +822,10 @@ def channels_last_map(sch: s_tir.Schedule, name: str, knobs, staged: tuple[str, 
     sch.vectorize(out_vec)
     sch.unroll(out_batch)
     sch.unroll(batch)
+    # Each block walks its run of rows from the end: kernel 1's blocks walked theirs
+    # from the start, so each run's end is what they read last, still in L2
+    # (launch_order).
+    launch_order.reverse(sch, step)
 
 
 def batched_loads(sch: s_tir.Schedule, stage: SBlockRV, step: LoopRV) -> None:

@@ -1,0 +1,150 @@
+"""Loops walked backwards: a kernel's grid, or a block's serial loop, from its last
+step to its first.
+
+Why: a second pass over a tensor (BatchNorm's map after its statistics) reads again
+what the first pass read, and the last part the first pass read is still in the L2
+cache (50 MB on the H200) when the second one starts. A second pass that starts there
+finds that part on chip; one that starts where the first started finds it evicted
+by the time it gets there, and reads everything from HBM again.
+
+A schedule marks a loop bound to ``blockIdx.x`` or a serial loop with
+:func:`reverse`, an annotation: a traced primitive, so MetaSchedule's records
+replay it. :data:`PIPELINE` is TVM's ``s_tir`` pipeline (what ``"default"`` builds
+for CUDA) with :func:`reverse_marked` between its lowering and its host/device
+split; every build of a scheduled module goes through it (``kernel.build_kernel``,
+the tuner's builders, the single-launch and aliased pipelines). There a marked loop
+``for i in range(n)`` becomes ``for j in range(n): i = n - 1 - j; ...``, a
+:class:`tvm.tirx.Bind` of the old variable, so its body is unchanged. TensorIR has no
+primitive for it: ``transform_block_layout`` takes no negative stride (its
+``MapShape`` wants every mapped range to start at 0).
+
+A module compiled by another pipeline keeps the annotation as a pragma that code
+generation ignores: the loop runs forwards, with the same results.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import tvm
+from tvm import tirx
+
+# The annotation key. ``pragma_`` keys survive TVM's block lowering as an attribute
+# around the loop, where :func:`reverse_marked` finds it.
+KEY = "pragma_tvm_fusion_reversed"
+# TVM_FUSION_LAUNCH_ORDER=0 builds marked loops forwards (an A/B switch, in the kernel
+# cache's key).
+ENABLED = os.environ.get("TVM_FUSION_LAUNCH_ORDER", "1") != "0"
+PIPELINE = "tvm_fusion"
+# The s_tir pipeline's last passes, which run after the reversal (single_launch's
+# merge also comes before them).
+TAIL = ("s_tir.MergeSharedMemoryAllocations", "tirx.SplitHostDevice", "tirx.MakePackedAPI",
+        "tirx.FP8StorageLegalize", "tirx.BF16StorageLegalize")
+
+
+def reverse(sch: Any, loop: Any) -> None:
+    """Mark ``loop`` (already bound to ``blockIdx.x``, or serial) to run from its last
+    step to its first."""
+    node = sch.get(loop)
+    bound = node.thread_binding.thread_tag if node.thread_binding is not None else None
+    if bound not in (None, "blockIdx.x") or node.kind not in (tirx.ForKind.SERIAL, tirx.ForKind.THREAD_BINDING):
+        raise ValueError(f"launch_order.reverse: only a loop bound to blockIdx.x or a serial loop runs backwards, "
+                         f"not {node.loop_var.name} ({bound or tirx.ForKind(node.kind).name.lower()})")
+    sch.annotate(loop, KEY, 1)
+
+
+def _backwards(var: tirx.Var, start: Any, extent: Any, body: tirx.Stmt) -> tuple[tirx.Var, tirx.Stmt]:
+    walked = tirx.Var(var.name + "_walked", "int32")
+    return walked, tirx.SeqStmt([tirx.Bind(var, start + extent - 1 - (walked - start)), body])
+
+
+def _reversed(marked: tirx.AttrStmt) -> tirx.Stmt:
+    loop = marked.body
+    if isinstance(loop, tirx.AttrStmt) and loop.attr_key == "thread_extent":
+        iv = loop.node
+        if iv.thread_tag != "blockIdx.x":
+            raise ValueError(f"{KEY}: only a loop bound to blockIdx.x or a serial loop runs backwards, "
+                             f"not one bound to {iv.thread_tag}")
+        walked, body = _backwards(iv.var, 0, loop.value, _walk(loop.body))
+        return tirx.AttrStmt(tirx.IterVar(iv.dom, walked, iv.iter_type, iv.thread_tag), "thread_extent",
+                             loop.value, body)
+    if isinstance(loop, tirx.For) and loop.kind in (tirx.ForKind.SERIAL, tirx.ForKind.UNROLLED):
+        walked, body = _backwards(loop.loop_var, loop.min, loop.extent, _walk(loop.body))
+        return tirx.For(walked, loop.min, loop.extent, loop.kind, body, None, loop.annotations)
+    if not isinstance(loop, tirx.For):  # TVM's auto-unroll has unrolled it: its loads issue together
+        return _walk(loop)
+    raise ValueError(f"{KEY}: marks a {loop.kind} loop, not a blockIdx.x or serial one")
+
+
+def _walk(stmt: tirx.Stmt) -> tirx.Stmt:
+    """``stmt`` with every marked loop under it reversed (and unmarked, or only
+    unmarked when :data:`ENABLED` is off)."""
+    if isinstance(stmt, tirx.SeqStmt):
+        return tirx.SeqStmt([_walk(s) for s in stmt.seq])
+    if isinstance(stmt, tirx.AttrStmt):
+        if stmt.attr_key == KEY:
+            return _reversed(stmt) if ENABLED else _walk(stmt.body)
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _walk(stmt.body))
+    if isinstance(stmt, tirx.For):
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, _walk(stmt.body), stmt.thread_binding,
+                        stmt.annotations)
+    if isinstance(stmt, tirx.IfThenElse):
+        return tirx.IfThenElse(stmt.condition, _walk(stmt.then_case),
+                               None if stmt.else_case is None else _walk(stmt.else_case))
+    if isinstance(stmt, tirx.While):
+        return tirx.While(stmt.condition, _walk(stmt.body))
+    return stmt
+
+
+def reverse_marked(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` (lowered: launches as ``thread_extent`` attributes) with its marked
+    loops walked backwards."""
+    if KEY not in func.script():
+        return func
+    new = func.with_body(_walk(func.body))
+    if KEY in new.script():  # a mark under a statement _walk does not enter
+        raise ValueError(f"{KEY}: a marked loop was left unreversed in {func.attrs.get('global_symbol', 'a function')}")
+    return new
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_fusion.ReverseMarkedLoops")
+def reverse_marked_loops(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
+    for gvar, func in list(mod.functions.items()):
+        if isinstance(func, tirx.PrimFunc):
+            mod[gvar] = reverse_marked(func)
+    return mod
+
+
+def tail() -> tvm.transform.Pass:
+    """The ``s_tir`` pipeline's passes after its lowering (:data:`TAIL`), in order."""
+    return tvm.transform.Sequential([
+        tvm.s_tir.transform.MergeSharedMemoryAllocations(),
+        tirx.transform.SplitHostDevice(),
+        tirx.transform.MakePackedAPI(),
+        tirx.transform.FP8StorageLegalize(),
+        tirx.transform.BF16StorageLegalize(),
+    ])
+
+
+def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IRModule:
+    """``mod`` through ``pipeline`` (``s_tir``'s) without its :data:`TAIL`, marked loops reversed."""
+    with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
+                                   disabled_pass=[*ctx.disabled_pass, *TAIL], config=dict(ctx.config),
+                                   instruments=list(ctx.instruments)):
+        mod = pipeline(mod)
+    return reverse_marked_loops(mod)
+
+
+def _pipeline(**kwargs):
+    """TVM's s_tir pipeline with :func:`reverse_marked_loops` before its host/device split."""
+    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
+
+    @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.Pipeline")
+    def run(mod, ctx):
+        return tail()(lowered(pipeline, mod, ctx))
+
+    return run, finalize_host, finalize_device
+
+
+tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, _pipeline)
