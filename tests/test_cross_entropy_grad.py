@@ -780,3 +780,40 @@ def test_online_gradient_unrolls_rows_read_as_scalars():
     default = cand.default_for(scalar, CUDA)
     rolled, unrolled = scalar_loads(dataclasses.replace(default, unroll=16)), scalar_loads(default)
     assert unrolled >= 4 * rolled, (rolled, unrolled)
+
+
+BATCHED = [
+    # (shape, options, dtype, threads, batch): a lane's chunks ``batch`` at a time.
+    ((48, 128256), {}, "bfloat16", 501, 4),  # 16032 chunks = 501 x 4 x 8: no guard
+    ((48, 128256), {"reduction": "none", "label_smoothing": 0.1}, "bfloat16", 512, 8),  # ragged: guarded
+    ((37, 32000), {"weight": True, "reduction": "sum"}, "float16", 1024, 4),
+    ((20, 1000), {"target_dtype": "int32"}, "float32", 128, 8),  # 250 chunks: most lanes idle in a step
+    ((64, 100), {"all_ignored": True}, "bfloat16", 128, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, options, dtype, threads, batch", BATCHED)
+def test_online_gradient_batches_on_gpu(shape, options, dtype, threads, batch):
+    """cross_entropy_grad_online's ``batch`` knob against float64 on poisoned outputs:
+    an even split and ragged ones (a guard per chunk), every option kind."""
+    problem = gpu_problem(shape, options, dtype, "fused")
+    knobs = registry.get("cross_entropy_grad_online").knobs(threads=threads, vector=8 if dtype != "float32" else 4,
+                                                            unroll=16, batch=batch)
+    check_on_device(problem, options, build_kernel(problem, CUDA, "cross_entropy_grad_online", knobs), "cuda")
+
+
+def test_online_gradient_batch_issues_a_steps_loads_together():
+    """``batch`` 1 is the schedule as before (the same CUDA as without the knob's
+    split); at 4 a lane's step holds four 16-byte loads of the logits in each pass."""
+    problem = gpu_problem((64, 128256), {}, "bfloat16", "fused")
+    knobs = registry.get("cross_entropy_grad_online").knobs
+    one = row_kernel(build_kernel(problem, CUDA, "cross_entropy_grad_online",
+                                  knobs(threads=501, vector=8, unroll=16, batch=1)).device_source())
+    four = row_kernel(build_kernel(problem, CUDA, "cross_entropy_grad_online",
+                                   knobs(threads=501, vector=8, unroll=16, batch=4)).device_source())
+    assert one.count("*(uint4*)(logits_ptr") == 2  # a load a step, each pass
+    assert four.count("*(uint4*)(logits_ptr") == 8
+    assert "if (" not in four.split("__syncthreads")[0]  # 501 x 4 divides the row's chunks: no guard before the reduction
+    assert 4 in registry.get("cross_entropy_grad_online").choices(problem, CUDA)["batch"]

@@ -171,7 +171,7 @@ def schedule_grad_batch_stage(sch: s_tir.Schedule, problem) -> None:
 
 def grad_map(
     sch: s_tir.Schedule, keep_outer: int, threads, vector, unroll_step, thread_axis: str = "threadIdx.x",
-    staged: str = "logits", block: SBlockRV | None = None,
+    staged: str = "logits", block: SBlockRV | None = None, batch: Any = None,
 ) -> None:
     """``dlogits`` over the row laid out ``[threadIdx, serial, vector]`` (consecutive
     lanes, consecutive vectors): per step a lane loads ``vector`` logits (from
@@ -180,31 +180,52 @@ def grad_map(
     results with one store (16 bytes each way when ``vector * bytes == 16``). The
     per-row coefficients must already be at the row, in registers. ``block``: the
     ``dlogits`` block's random variable where the caller holds one (see
-    ``cross_entropy_grad_row_in_shared``), else looked up."""
+    ``cross_entropy_grad_row_in_shared``), else looked up. ``batch``: the serial loop
+    split ``[step, batch]``, a lane's ``batch`` vectors of a step ``threads`` apart and
+    the batch loop unrolled, so that their loads can issue together (:func:`online_chunks`)."""
     block = sch.get_sblock("dlogits") if block is None else block
-    _, serial, vec = lanes_split(sch, block, keep_outer, threads, vector, unroll_step, thread_axis)
+    if batch is None:
+        _, serial, vec = lanes_split(sch, block, keep_outer, threads, vector, unroll_step, thread_axis)
+        at = serial
+    else:
+        *outer, inner = sch.get_loops(block)[keep_outer:]
+        inner, vec = sch.split(inner, [None, vector])
+        serial, at, lane = sch.split(sch.fuse(*outer, inner) if outer else inner, [None, batch, threads])
+        sch.reorder(lane, serial, at, vec)
+        sch.bind(lane, thread_axis)
+        unroll(sch, serial, unroll_step)
+        sch.unroll(at)
     sch.unroll(vec)
-    stage_in_registers(sch, block, staged, serial)
+    stage_in_registers(sch, block, staged, at)
     store = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(store, serial, preserve_unit_loops=True)
+    sch.reverse_compute_at(store, at, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(store)[-1])
     # From the row's end: the statistics pass read it last, so it is the part still in L2.
     launch_order.reverse(sch, serial)
 
 
-def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str) -> None:
+def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str, batch: Any = None) -> None:
     """The online (max, sum of exponentials) of the row the block is bound to: its
     16-byte chunks strided across ``threads`` lanes (``unroll_step`` a step), each
     chunk loaded once into registers and reduced there (``chunk_max``,
     ``chunk_sumexp``), the lanes' partial pairs combined into ``row_online``, whose
-    result lives in ``scope``."""
+    result lives in ``scope``. ``batch``: a lane takes ``batch`` chunks a step, chunk
+    ``((step batch + b) threads + lane)``, the batch loop unrolled so that nvcc can
+    issue their loads before the exps of the first (one load in flight a lane is
+    what a rolled loop leaves)."""
     online = sch.get_sblock("row_online")
-    serial, lane = sch.split(sch.get_loops(online)[-1], [None, threads])
-    sch.reorder(lane, serial)
+    if batch is None:
+        serial, lane = sch.split(sch.get_loops(online)[-1], [None, threads])
+        sch.reorder(lane, serial)
+        at = serial
+    else:
+        serial, at, lane = sch.split(sch.get_loops(online)[-1], [None, batch, threads])
+        sch.reorder(lane, serial, at)
+        sch.unroll(at)
     sch.bind(lane, "threadIdx.x")
     unroll(sch, serial, unroll_step)
     outputs_to(sch, online, scope)
-    chunks_at(sch, serial)
+    chunks_at(sch, at)
 
 
 def chunks_at(sch: s_tir.Schedule, at: LoopRV) -> tuple[SBlockRV, SBlockRV, SBlockRV]:

@@ -78,6 +78,8 @@ from .cross_entropy_online import CrossEntropyOnline
 
 # ``unroll`` that unrolls the row loops of a scalar-read row (module docstring).
 FULL_UNROLL = 1024
+# ``batch``: chunks a lane loads a step in both passes (module docstring).
+BATCHES = [1, 2, 4, 8]
 
 
 @dataclass(frozen=True)
@@ -85,6 +87,7 @@ class GradOnlineKnobs(Knobs):
     threads: int = 256
     vector: int = 8  # of the gradient pass (the statistics read 16-byte chunks)
     unroll: int = 16
+    batch: int = 1  # chunks (vectors) a lane loads a step, in both passes
 
 
 @register
@@ -115,6 +118,8 @@ class CrossEntropyGradOnline(Candidate):
             "threads": [128, 256, 512, 1024],
             "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.classes),
             "unroll": [1, 4, 16] if reads_16_bytes(problem.dtype, problem.classes) else [1, 4, 16, FULL_UNROLL],
+            # Scalar rows get their loads together from FULL_UNROLL.
+            "batch": BATCHES if reads_16_bytes(problem.dtype, problem.classes) else [1],
         }
 
     def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradOnlineKnobs:
@@ -137,9 +142,9 @@ class CrossEntropyGradOnline(Candidate):
         row = merge_grad_rows(sch, problem, ("row_online",))
         sch.bind(row, "blockIdx.x")
         # 2. Chunks across the lanes; each chunk reduced in registers.
-        online_chunks(sch, knobs.threads, knobs.unroll, "local")
+        online_chunks(sch, knobs.threads, knobs.unroll, "local", knobs.batch)
         # 4. The gradient over the row.
-        grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll)
+        grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll, batch=knobs.batch)
         # 3. lse and the row loss on thread 0.
         for name in ("lse", loss):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
