@@ -43,6 +43,18 @@ at 1024 threads nvcc keeps the row's first read for the second in registers and
 spills 792 bytes a thread (8192x128256 bf16 4.1084 ms against 1.5176); at 512
 threads it gains nothing there (1.5218).
 
+``batch`` (1: a lane's rolled loops as above) splits both row loops ``[step, batch]``,
+a lane's ``batch`` chunks of a step ``threads`` apart and unrolled, so that nvcc issues
+their 16-byte loads before the exps of the first (ptxas: the statistics pass starts
+with three LDG.E.128 at batch 4, against one at batch 1; 30-32 registers either way).
+H200, 2026-12-05, rows "probe: launch_order A/B" of results/benchmarks.csv, gradient
+pass from the row's end: 8192x128256 bf16 1.4378 ms at 1024 threads and batch 4 against
+1.5025 for the default (512, batch 1), 1.4984 at 512 and batch 4, 1.4533 at 501 and
+batch 8 (an even split, no guard: not faster than the guarded 1024); 2048x151936 bf16
+0.4394 against 0.4445. A tuning knob, not a default yet: the shipped records tuned
+without it keep batch 1, and the gain (4%) leaves the two-read schedule at 1.45x the
+floor.
+
 Not used: persistent row blocks (a grid of one or two blocks an SM, each walking
 consecutive rows, so that the rows in flight fit in L2 for the gradient pass's
 re-read): slower on every shape tried, the row kernel is short of loads in flight,
