@@ -41,21 +41,40 @@ def lanes_split(
     vector: Any,
     unroll_step: Any,
     thread_axis: str = "threadIdx.x",
+    batch: Any = None,
 ) -> tuple[LoopRV, LoopRV, LoopRV]:
     """Lay the block's inner loops out as ``[threadIdx, serial, vector]``.
 
     The innermost loop is split by ``vector`` (which divides it, so a vector never
     straddles a row or plane), the rest fused and split ``[serial, threadIdx]``: in
     each serial step consecutive lanes touch consecutive ``vector``-wide chunks
-    (coalesced 16-byte accesses when ``vector * bytes == 16``). Returns the loops."""
+    (coalesced 16-byte accesses when ``vector * bytes == 16``). With ``batch`` the
+    serial loop's steps are ``batch`` vectors a lane, ``[threadIdx, serial, batch,
+    vector]`` (:func:`lane_steps`). Returns the lane, serial and vector loops."""
     *outer, inner = sch.get_loops(block)[keep_outer:]
     inner, vec = sch.split(inner, [None, vector])
-    fused = sch.fuse(*outer, inner) if outer else inner
-    serial, lane = sch.split(fused, [None, threads])
-    sch.reorder(lane, serial, vec)
-    sch.bind(lane, thread_axis)
+    serial, _, lane = lane_steps(sch, sch.fuse(*outer, inner) if outer else inner, threads, batch, thread_axis)
     unroll(sch, serial, unroll_step)
     return lane, serial, vec
+
+
+def lane_steps(sch: s_tir.Schedule, loop: LoopRV, threads: Any, batch: Any = None,
+               thread_axis: str = "threadIdx.x") -> tuple[LoopRV, LoopRV, LoopRV]:
+    """``loop`` split ``[serial, threadIdx]`` (consecutive lanes on consecutive
+    iterations), or with ``batch`` ``[serial, batch, threadIdx]``: a lane's ``batch``
+    iterations of a step ``threads`` apart, the batch loop unrolled so that their loads
+    can issue together. The lane loop goes outermost and is bound. Returns
+    ``(serial, at, lane)``, ``at`` the batch loop or, without one, the serial loop."""
+    if batch is None:
+        serial, lane = sch.split(loop, [None, threads])
+        sch.reorder(lane, serial)
+        at = serial
+    else:
+        serial, at, lane = sch.split(loop, [None, batch, threads])
+        sch.reorder(lane, serial, at)
+        sch.unroll(at)
+    sch.bind(lane, thread_axis)
+    return serial, at, lane
 
 
 def stage_in_registers(sch: s_tir.Schedule, block: SBlockRV, buffer_name: str, at: LoopRV) -> SBlockRV:

@@ -48,10 +48,22 @@ KEY = "pragma_tvm_fusion_reversed"
 # cache's key).
 ENABLED = os.environ.get("TVM_FUSION_LAUNCH_ORDER", "1") != "0"
 PIPELINE = "tvm_fusion"
-# The s_tir pipeline's last passes, which run after the reversal (single_launch's
-# merge also comes before them).
-TAIL = ("s_tir.MergeSharedMemoryAllocations", "tirx.SplitHostDevice", "tirx.MakePackedAPI",
-        "tirx.FP8StorageLegalize", "tirx.BF16StorageLegalize")
+
+
+def _tail_passes() -> list[tvm.transform.Pass]:
+    """The s_tir pipeline's last passes, in order, which run after the reversal
+    (single_launch's merge also comes before them)."""
+    return [
+        tvm.s_tir.transform.MergeSharedMemoryAllocations(),
+        tirx.transform.SplitHostDevice(),
+        tirx.transform.MakePackedAPI(),
+        tirx.transform.FP8StorageLegalize(),
+        tirx.transform.BF16StorageLegalize(),
+    ]
+
+
+# Their names, which :func:`lowered` disables in the s_tir pipeline.
+TAIL = tuple(p.info.name for p in _tail_passes())
 
 
 def reverse(sch: Any, loop: Any) -> None:
@@ -70,51 +82,55 @@ def _backwards(var: tirx.Var, start: Any, extent: Any, body: tirx.Stmt) -> tuple
     return walked, tirx.SeqStmt([tirx.Bind(var, start + extent - 1 - (walked - start)), body])
 
 
-def _reversed(marked: tirx.AttrStmt) -> tirx.Stmt:
+def _reversed(marked: tirx.AttrStmt, found: list) -> tirx.Stmt:
     loop = marked.body
     if isinstance(loop, tirx.AttrStmt) and loop.attr_key == "thread_extent":
         iv = loop.node
         if iv.thread_tag != "blockIdx.x":
             raise ValueError(f"{KEY}: only a loop bound to blockIdx.x or a serial loop runs backwards, "
                              f"not one bound to {iv.thread_tag}")
-        walked, body = _backwards(iv.var, 0, loop.value, _walk(loop.body))
+        walked, body = _backwards(iv.var, 0, loop.value, _walk(loop.body, found))
         return tirx.AttrStmt(tirx.IterVar(iv.dom, walked, iv.iter_type, iv.thread_tag), "thread_extent",
                              loop.value, body)
     if isinstance(loop, tirx.For) and loop.kind in (tirx.ForKind.SERIAL, tirx.ForKind.UNROLLED):
-        walked, body = _backwards(loop.loop_var, loop.min, loop.extent, _walk(loop.body))
+        walked, body = _backwards(loop.loop_var, loop.min, loop.extent, _walk(loop.body, found))
         return tirx.For(walked, loop.min, loop.extent, loop.kind, body, None, loop.annotations)
     if not isinstance(loop, tirx.For):  # TVM's auto-unroll has unrolled it: its loads issue together
-        return _walk(loop)
+        return _walk(loop, found)
     raise ValueError(f"{KEY}: marks a {loop.kind} loop, not a blockIdx.x or serial one")
 
 
-def _walk(stmt: tirx.Stmt) -> tirx.Stmt:
+def _walk(stmt: tirx.Stmt, found: list) -> tirx.Stmt:
     """``stmt`` with every marked loop under it reversed (and unmarked, or only
-    unmarked when :data:`ENABLED` is off)."""
+    unmarked when :data:`ENABLED` is off); each mark met is appended to ``found``."""
     if isinstance(stmt, tirx.SeqStmt):
-        return tirx.SeqStmt([_walk(s) for s in stmt.seq])
+        return tirx.SeqStmt([_walk(s, found) for s in stmt.seq])
     if isinstance(stmt, tirx.AttrStmt):
         if stmt.attr_key == KEY:
-            return _reversed(stmt) if ENABLED else _walk(stmt.body)
-        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _walk(stmt.body))
+            found.append(stmt)
+            return _reversed(stmt, found) if ENABLED else _walk(stmt.body, found)
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _walk(stmt.body, found))
     if isinstance(stmt, tirx.For):
-        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, _walk(stmt.body), stmt.thread_binding,
-                        stmt.annotations)
+        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, _walk(stmt.body, found),
+                        stmt.thread_binding, stmt.annotations)
     if isinstance(stmt, tirx.IfThenElse):
-        return tirx.IfThenElse(stmt.condition, _walk(stmt.then_case),
-                               None if stmt.else_case is None else _walk(stmt.else_case))
+        return tirx.IfThenElse(stmt.condition, _walk(stmt.then_case, found),
+                               None if stmt.else_case is None else _walk(stmt.else_case, found))
     if isinstance(stmt, tirx.While):
-        return tirx.While(stmt.condition, _walk(stmt.body))
+        return tirx.While(stmt.condition, _walk(stmt.body, found))
     return stmt
 
 
 def reverse_marked(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` (lowered: launches as ``thread_extent`` attributes) with its marked
-    loops walked backwards."""
-    if KEY not in func.script():
+    loops walked backwards. The function is printed once (7-8 ms for the fused
+    gradient's), to count its marks against those the walk met."""
+    marks = func.script().count(KEY)
+    if not marks:
         return func
-    new = func.with_body(_walk(func.body))
-    if KEY in new.script():  # a mark under a statement _walk does not enter
+    found: list = []
+    new = func.with_body(_walk(func.body, found))
+    if len(found) != marks:  # a mark under a statement _walk does not enter
         raise ValueError(f"{KEY}: a marked loop was left unreversed in {func.attrs.get('global_symbol', 'a function')}")
     return new
 
@@ -129,13 +145,7 @@ def reverse_marked_loops(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
 
 def tail() -> tvm.transform.Pass:
     """The ``s_tir`` pipeline's passes after its lowering (:data:`TAIL`), in order."""
-    return tvm.transform.Sequential([
-        tvm.s_tir.transform.MergeSharedMemoryAllocations(),
-        tirx.transform.SplitHostDevice(),
-        tirx.transform.MakePackedAPI(),
-        tirx.transform.FP8StorageLegalize(),
-        tirx.transform.BF16StorageLegalize(),
-    ])
+    return tvm.transform.Sequential(_tail_passes())
 
 
 def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IRModule:

@@ -19,8 +19,8 @@ from tvm_fusion.registry import Candidate, Knobs, ladder
 from tvm_fusion.targets import sm_count
 
 from ..common import (
-    LoopRV, SBlockRV, lanes_split, merge_rows, outputs_to, read_index, row_loss_name, single_thread, stage_in_registers,
-    thread_reduce, unroll,
+    LoopRV, SBlockRV, lane_steps, lanes_split, merge_rows, outputs_to, read_index, row_loss_name,
+    single_thread, stage_in_registers, thread_reduce, unroll,
 )
 
 MAX_THREADS = 1024
@@ -184,17 +184,8 @@ def grad_map(
     split ``[step, batch]``, a lane's ``batch`` vectors of a step ``threads`` apart and
     the batch loop unrolled, so that their loads can issue together (:func:`online_chunks`)."""
     block = sch.get_sblock("dlogits") if block is None else block
-    if batch is None:
-        _, serial, vec = lanes_split(sch, block, keep_outer, threads, vector, unroll_step, thread_axis)
-        at = serial
-    else:
-        *outer, inner = sch.get_loops(block)[keep_outer:]
-        inner, vec = sch.split(inner, [None, vector])
-        serial, at, lane = sch.split(sch.fuse(*outer, inner) if outer else inner, [None, batch, threads])
-        sch.reorder(lane, serial, at, vec)
-        sch.bind(lane, thread_axis)
-        unroll(sch, serial, unroll_step)
-        sch.unroll(at)
+    _, serial, vec = lanes_split(sch, block, keep_outer, threads, vector, unroll_step, thread_axis, batch)
+    at = sch.get_loops(block)[-2]  # the batch loop, or the serial one without a batch
     sch.unroll(vec)
     stage_in_registers(sch, block, staged, at)
     store = sch.cache_write(block, 0, "local")
@@ -214,15 +205,7 @@ def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str, batch: 
     issue their loads before the exps of the first (one load in flight a lane is
     what a rolled loop leaves)."""
     online = sch.get_sblock("row_online")
-    if batch is None:
-        serial, lane = sch.split(sch.get_loops(online)[-1], [None, threads])
-        sch.reorder(lane, serial)
-        at = serial
-    else:
-        serial, at, lane = sch.split(sch.get_loops(online)[-1], [None, batch, threads])
-        sch.reorder(lane, serial, at)
-        sch.unroll(at)
-    sch.bind(lane, "threadIdx.x")
+    serial, at, _ = lane_steps(sch, sch.get_loops(online)[-1], threads, batch)
     unroll(sch, serial, unroll_step)
     outputs_to(sch, online, scope)
     chunks_at(sch, at)
