@@ -130,11 +130,13 @@ def torch_or_none():
 
 def default_and_sampled(cand, problem, target, count: int) -> list:
     """The candidate's default knobs and ``count`` configurations of its space, drawn
-    with a seed of the candidate's name (the same draw on every run)."""
+    with a seed of the candidate's name (the same draw on every run), less those the
+    candidate says do not build (``Candidate.builds``: the tuner never times them)."""
     import random
 
     configs = cand.all_configs(problem, target)
-    return [cand.default_for(problem, target)] + random.Random(cand.name).sample(configs, min(count, len(configs)))
+    drawn = random.Random(cand.name).sample(configs, min(count, len(configs)))
+    return [cand.default_for(problem, target)] + [knobs for knobs in drawn if cand.builds(problem, knobs)]
 
 
 def candidate_params(problems, target, count: int):

@@ -1,6 +1,7 @@
-"""BatchNorm's split-plane candidates (``bn_forward_split_plane``, ``bn_backward_split_plane``):
-where they apply, what their generated code guarantees, and on a GPU, every dtype and
-option against the float64 reference with outputs poisoned (NaN) before the run.
+"""BatchNorm's split-plane candidates (``bn_forward_split_plane``, ``bn_backward_split_plane``,
+and their ``_runs`` forms, whose map takes kernel 1's grid and runs backwards): where
+they apply, what their generated code guarantees, and on a GPU, every dtype and option
+against the float64 reference with outputs poisoned (NaN) before the run.
 
 The references and tolerances are test_bn_forward's and test_bn_backward's (``check``:
 float32 arithmetic relative to the largest element, the sums times sqrt(n), plus the
@@ -14,7 +15,9 @@ Why each shape is there:
   stores), the splits are divisors of the run 3 x 37 x 41;
 * 2x3x1000: short channels (2000 values, split in 2 or 5 runs shorter than a block
   of lanes: kernel 1's serial loop has one step), L a multiple of 8 but not of 16;
-* 4x16x23 (codegen only): 16 channels of 92 values, an odd L with few splits.
+* 4x16x23 (codegen only): 16 channels of 92 values, an odd L with few splits;
+* 256x3x514 (the runs' maps): planes of 257 two-value vectors, so kernel 1's two runs a
+  channel, each 257 steps of 128 lanes, start and end mid-plane.
 """
 
 import re
@@ -36,8 +39,11 @@ from tvm_fusion.kernel import build_kernel
 
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
 FORWARD, BACKWARD = "bn_forward_split_plane", "bn_backward_split_plane"
+FORWARD_RUNS, BACKWARD_RUNS = f"{FORWARD}_runs", f"{BACKWARD}_runs"
+FORWARDS, BACKWARDS = (FORWARD, FORWARD_RUNS), (BACKWARD, BACKWARD_RUNS)
 RESNET = [(64, 256, 56, 56), (32, 64, 112, 112)]
 ODD = [(3, 5, 37, 41), (2, 3, 1000)]
+RUNS_ODD = [(256, 3, 514)]  # the runs' maps apply to even runs only: an odd plane where they do
 DTYPES = ["float16", "bfloat16", "float32"]
 # (affine, track_running) of the forward (training); (training, affine) of the backward
 FORWARD_MODES = [(True, True), (False, False), (True, False)]
@@ -55,24 +61,29 @@ def backward(shape, dtype, training=True, affine=True):
 # -- where they apply ----------------------------------------------------------------------
 @pytest.mark.parametrize("shape", RESNET)
 def test_both_apply_and_are_preferred_on_the_resnet_planes(shape):
-    problems = [(FORWARD, forward(shape, "float16")), (BACKWARD, backward(shape, "float16")),
-                (BACKWARD, backward(shape, "float16", training=False))]
-    for name, problem in problems:
-        cand = registry.get(name)
-        assert cand.applies(problem) and cand.prefers(problem, CUDA), problem.describe()
-        assert name in [c.name for c in registry.applicable(problem, CUDA)]
+    problems = [(FORWARDS, forward(shape, "float16")), (BACKWARDS, backward(shape, "float16")),
+                (BACKWARDS, backward(shape, "float16", training=False))]
+    for names, problem in problems:
+        for name in names:
+            cand = registry.get(name)
+            assert cand.applies(problem) and cand.prefers(problem, CUDA), problem.describe()
+        applicable = [c.name for c in registry.applicable(problem, CUDA)]
+        # the flat map first: the runs' map is the tuner's to pick until measured
+        assert applicable.index(names[0]) + 1 == applicable.index(names[1]), applicable
+        assert registry.default_candidate(problem, CUDA).name != names[1]
 
 
 def test_neither_takes_channels_last_nor_the_forward_in_eval_nor_is_preferred_for_many_channels():
-    assert not registry.get(FORWARD).applies(bn_forward_problem((32, 56, 56, 64), "float16", "NHWC"))
-    assert not registry.get(BACKWARD).applies(bn_backward_problem((32, 56, 56, 64), "float16", "NHWC"))
-    assert not registry.get(FORWARD).applies(bn_forward_problem((32, 64, 112, 112), "float16", training=False))
-    many = [(FORWARD, forward((256, 2048, 7, 7), "float16")), (BACKWARD, backward((256, 2048, 7, 7), "float16"))]
-    for name, problem in many:  # 2048 channels: a block each already fills the SMs
-        assert not registry.get(name).prefers(problem, CUDA)
-    # 35 values a channel: no split leaves runs of 32 vectors or more
-    assert not registry.get(FORWARD).applies(forward((5, 3, 7), "float32"))
-    assert not registry.get(BACKWARD).applies(backward((5, 3, 7), "float32"))
+    for fwd, bwd in zip(FORWARDS, BACKWARDS):
+        assert not registry.get(fwd).applies(bn_forward_problem((32, 56, 56, 64), "float16", "NHWC"))
+        assert not registry.get(bwd).applies(bn_backward_problem((32, 56, 56, 64), "float16", "NHWC"))
+        assert not registry.get(fwd).applies(bn_forward_problem((32, 64, 112, 112), "float16", training=False))
+        many = [(fwd, forward((256, 2048, 7, 7), "float16")), (bwd, backward((256, 2048, 7, 7), "float16"))]
+        for name, problem in many:  # 2048 channels: a block each already fills the SMs
+            assert not registry.get(name).prefers(problem, CUDA)
+        # 35 values a channel: no split leaves runs of 32 vectors or more
+        assert not registry.get(fwd).applies(forward((5, 3, 7), "float32"))
+        assert not registry.get(bwd).applies(backward((5, 3, 7), "float32"))
 
 
 # -- what the generated code guarantees ------------------------------------------------------
@@ -83,9 +94,21 @@ def codegen_cases():
                 (BACKWARD, backward(RESNET[0], "float16")), (BACKWARD, backward(RESNET[1], "bfloat16", False)),
                 (BACKWARD, backward((3, 5, 37, 41), "float16", True, False)),
                 (BACKWARD, backward((2, 3, 1000), "float32", False, False)),
-                (BACKWARD, backward((4, 16, 23), "bfloat16"))]
+                (BACKWARD, backward((4, 16, 23), "bfloat16")),
+                (FORWARD, forward(RUNS_ODD[0], "bfloat16", True, False)),
+                (BACKWARD, backward(RUNS_ODD[0], "float32", False))]
     for name, problem in problems:
-        yield pytest.param(name, problem, id=f"{name}-{problem.key()}")
+        for variant in (name, f"{name}_runs"):
+            if registry.get(variant).applies(problem):  # the runs' map: even runs only
+                yield pytest.param(variant, problem, id=f"{variant}-{problem.key()}")
+
+
+def map_is_even(problem, knobs) -> bool:
+    """Whether the map's lanes split its loop with no remainder: the whole tensor by a
+    block's vectors (the flat map), or each run by a step's (the runs' map)."""
+    if hasattr(knobs, "map_steps"):
+        return (problem.numel // knobs.vector) % (knobs.map_steps * knobs.map_threads) == 0
+    return (problem.count // knobs.vector // knobs.splits) % (knobs.threads * knobs.unroll) == 0
 
 
 def partial_stores(source: str, name: str) -> list[list[str]]:
@@ -108,8 +131,8 @@ def test_cuda_source_of_default_and_sampled_knobs(name, problem):
     the map after the kernel that writes its coefficients (TVM's merge places the
     finalize loop at its last block's place and checks no dependence)."""
     cand = registry.get(name)
-    reduction, output = ("moments", "y") if name == FORWARD else ("grad_sums", "dx")
-    staged = ["x"] if name == FORWARD else (["x", "dy"] if problem.training else ["dy"])
+    reduction, output = ("moments", "y") if name in FORWARDS else ("grad_sums", "dx")
+    staged = ["x"] if name in FORWARDS else (["x", "dy"] if problem.training else ["dy"])
     for knobs in default_and_sampled(cand, problem, CUDA, 3):
         kernel = build_kernel(problem, CUDA, name, knobs)
         source = kernel.device_source()
@@ -123,21 +146,24 @@ def test_cuda_source_of_default_and_sampled_knobs(name, problem):
         if knobs.vector * DTYPE_BYTES[problem.dtype] == 16:
             # 16-byte stores where the map's lanes split the tensor evenly; elsewhere
             # stores one by one under the bound (schedules.cuda.common.store_vectors)
-            even = (problem.numel // knobs.vector) % (knobs.map_steps * knobs.map_threads) == 0
+            even = map_is_even(problem, knobs)
             assert all(vector_access(source, b) for b in staged + ([output] if even else [])), what
         script = kernel.mod.script()
-        last_coefficient = "bn_shift" if name == FORWARD else ("bn_dx_xhat" if problem.training else None)
+        last_coefficient = "bn_shift" if name in FORWARDS else ("bn_dx_xhat" if problem.training else None)
         if last_coefficient:
             assert script.index(f'T.sblock("{last_coefficient}")') < script.index(f'T.sblock("{output}")'), what
 
 
 @pytest.mark.parametrize("name, problem", [(FORWARD, forward((2, 3, 1000), "float16")),
-                                           (BACKWARD, backward((3, 5, 37, 41), "float32", False))],
-                         ids=[FORWARD, BACKWARD])
+                                           (BACKWARD, backward((3, 5, 37, 41), "float32", False)),
+                                           (FORWARD_RUNS, forward(RESNET[0], "float16")),
+                                           (BACKWARD_RUNS, backward((8, 3, 224, 224), "float32"))],
+                         ids=[FORWARD, BACKWARD, FORWARD_RUNS, BACKWARD_RUNS])
 def test_tunable_space_samples_every_knob_and_replays_with_other_decisions(name, problem):
-    """``tunable=True`` draws each knob of ``choices``; the trace replayed with the last
-    option of every knob (a loop structure that does not depend on the values) builds
-    and carries those values."""
+    """``tunable=True`` draws each knob of ``choices``; the trace replayed with other
+    decisions (a loop structure that does not depend on the values) builds and carries
+    those values: the last option of every knob, or for the runs' maps the last of
+    their even triples (``builds``: an uneven run is a configuration they never build)."""
     import tvm
     from tvm import s_tir
 
@@ -145,64 +171,103 @@ def test_tunable_space_samples_every_knob_and_replays_with_other_decisions(name,
 
     cand = registry.get(name)
     space = cand.choices(problem, CUDA)
+    wanted = {knob: options[-1] for knob, options in space.items()}
+    if name in (FORWARD_RUNS, BACKWARD_RUNS):
+        wanted = next(k.as_dict() for k in reversed(cand.all_configs(problem, CUDA)) if cand.builds(problem, k))
+        assert wanted != cand.default_for(problem, CUDA).as_dict()
     sch = cand.apply(prim_func(problem, cand.algorithm), CUDA, tunable=True)
     samples = [inst for inst in sch.trace.insts if inst.kind.name == "SampleCategorical"]
     assert len(samples) == len(space)
     trace = sch.trace
-    for inst in samples:
-        trace = trace.with_decision(inst, len(inst.attrs[0]) - 1, remove_postproc=True)
+    for inst, knob in zip(samples, space):
+        trace = trace.with_decision(inst, space[knob].index(wanted[knob]), remove_postproc=True)
     replay = s_tir.Schedule(prim_func(problem, cand.algorithm))
     trace.apply_to_schedule(replay, remove_postproc=True)
     script = replay.mod.script()
-    for knob, options in space.items():
-        assert f'"tvm_fusion.knob.{knob}": {options[-1]}' in script, knob
+    for knob, value in wanted.items():
+        assert f'"tvm_fusion.knob.{knob}": {value}' in script, knob
     with CUDA:
         tvm.compile(replay.mod, target=CUDA)
 
 
 @needs_nvcc
 @pytest.mark.parametrize("name, problem", [(FORWARD, forward(RESNET[0], "float16")),
-                                           (BACKWARD, backward(RESNET[0], "float16"))], ids=[FORWARD, BACKWARD])
+                                           (BACKWARD, backward(RESNET[0], "float16")),
+                                           (FORWARD_RUNS, forward(RESNET[0], "float16")),
+                                           (BACKWARD_RUNS, backward(RESNET[1], "float16"))],
+                         ids=[FORWARD, BACKWARD, FORWARD_RUNS, BACKWARD_RUNS])
 def test_default_compiles_without_spills(name, problem):
     check_compiles_without_spills(build_kernel(problem, CUDA, name))
 
 
+@pytest.mark.parametrize("name, problem", [(FORWARD_RUNS, forward(RESNET[0], "float16")),
+                                           (BACKWARD_RUNS, backward(RESNET[1], "bfloat16")),
+                                           (BACKWARD_RUNS, backward(RESNET[0], "float16", training=False))],
+                         ids=[FORWARD_RUNS, BACKWARD_RUNS, f"{BACKWARD_RUNS}-eval"])
+def test_the_runs_map_takes_kernel_1s_grid_and_walks_it_backwards(name, problem):
+    """The map's kernel has one block per (channel, run), launched last first (kernel
+    1's grid, channels fastest), each walking its run's steps from the end; its lanes
+    step as kernel 1's do (``threads`` apart, ``unroll`` vectors a step), and the
+    channel is the block's, so the coefficients are not indexed by the vector."""
+    cand = registry.get(name)
+    knobs = cand.default_for(problem, CUDA)
+    source = build_kernel(problem, CUDA, name, knobs).device_source()
+    bodies = [source[m.end():].split("__global__", 1)[0] for m in re.finditer(r'__global__ void [^;{]*\{', source)]
+    per_run = problem.count // knobs.vector // knobs.splits
+    assert any(f"(((int)blockIdx.y) * {per_run})" in body for body in bodies), "kernel 1's runs"
+    reversed_grid = [body for body in bodies if "int blockIdx_x = (" in body]
+    assert len(reversed_grid) == 1, "one kernel with a reversed grid"
+    body = reversed_grid[0]
+    blocks = problem.channels * knobs.splits
+    steps = per_run // (knobs.threads * knobs.unroll)
+    assert f"int blockIdx_x = ({blocks - 1} - ((int)blockIdx.x));" in body
+    assert f"_walked < {steps};" in body and "blockIdx.y" not in body
+    # the channel, (blocks - 1 - blockIdx.x) mod C (C a power of two here), indexes the coefficients
+    channel = f"(({problem.channels - 1} - ((int)blockIdx.x)) & {problem.channels - 1})"
+    coefficient = "bn_shift_ptr" if name in FORWARDS else ("bn_dx_xhat_ptr" if problem.training else "invstd_ptr")
+    assert f"{coefficient}[{channel}]" in body, body[:3000]
+
+
 # -- on a GPU ----------------------------------------------------------------------------------
+def gpu_cases(names, cases):
+    """``(name, problem, sampled)`` for each candidate of ``names`` that applies."""
+    for problem, sampled in cases:
+        for name in names:
+            if registry.get(name).applies(problem):
+                yield pytest.param(name, problem, sampled, id=f"{name}-{problem.key()}")
+
+
 def forward_gpu_cases():
     """Every dtype and option on the small shapes, default and 2 sampled knobs; the
     ResNet planes with one dtype and option each, default and 1 sampled knob."""
-    for shape in ODD + [(8, 3, 224, 224)]:
+    for shape in ODD + RUNS_ODD + [(8, 3, 224, 224)]:
         for dtype in DTYPES:
             for affine, track in FORWARD_MODES:
-                problem = forward(shape, dtype, affine, track)
-                yield pytest.param(problem, 2, id=problem.key())
+                yield forward(shape, dtype, affine, track), 2
     for shape, dtype, (affine, track) in zip(RESNET * 2, ["float16", "bfloat16", "float32", "float16"],
                                              FORWARD_MODES + [(True, True)]):
-        problem = forward(shape, dtype, affine, track)
-        yield pytest.param(problem, 1, id=problem.key())
+        yield forward(shape, dtype, affine, track), 1
 
 
 def backward_gpu_cases():
-    for shape in ODD + [(8, 3, 224, 224)]:
+    for shape in ODD + RUNS_ODD + [(8, 3, 224, 224)]:
         for dtype in DTYPES:
             for training, affine in BACKWARD_MODES:
-                problem = backward(shape, dtype, training, affine)
-                yield pytest.param(problem, 2, id=problem.key())
+                yield backward(shape, dtype, training, affine), 2
     for shape, dtype, (training, affine) in zip(RESNET * 2, ["float16", "bfloat16", "float32", "float16"],
                                                 BACKWARD_MODES):
-        problem = backward(shape, dtype, training, affine)
-        yield pytest.param(problem, 1, id=problem.key())
+        yield backward(shape, dtype, training, affine), 1
 
 
 @on_gpu
-@pytest.mark.parametrize("problem, sampled", list(forward_gpu_cases()))
-def test_forward_on_gpu(problem, sampled):
+@pytest.mark.parametrize("name, problem, sampled", list(gpu_cases(FORWARDS, forward_gpu_cases())))
+def test_forward_on_gpu(name, problem, sampled):
     import tvm
 
     gen = rng()
-    cand = registry.get(FORWARD)
+    cand = registry.get(name)
     for knobs in default_and_sampled(cand, problem, CUDA, sampled):
-        kernel = build_kernel(problem, targets.resolve("cuda"), FORWARD, knobs)
+        kernel = build_kernel(problem, targets.resolve("cuda"), name, knobs)
         for loc, scale in ((0.0, 2.0), (1000.0, 1.0)):  # |mean| >> std too
             data = forward_inputs(gen, problem, loc=loc, scale=scale)
             outs = run_poisoned(kernel, forward_args(problem, *data), tvm.cuda(0))
@@ -210,14 +275,14 @@ def test_forward_on_gpu(problem, sampled):
 
 
 @on_gpu
-@pytest.mark.parametrize("problem, sampled", list(backward_gpu_cases()))
-def test_backward_on_gpu(problem, sampled):
+@pytest.mark.parametrize("name, problem, sampled", list(gpu_cases(BACKWARDS, backward_gpu_cases())))
+def test_backward_on_gpu(name, problem, sampled):
     import tvm
 
     gen = rng()
-    cand = registry.get(BACKWARD)
+    cand = registry.get(name)
     for knobs in default_and_sampled(cand, problem, CUDA, sampled):
-        kernel = build_kernel(problem, targets.resolve("cuda"), BACKWARD, knobs)
+        kernel = build_kernel(problem, targets.resolve("cuda"), name, knobs)
         for shift in (3.0, 1000.0):  # |mean| >> std too (x's spread is 2)
             x, dy, mean, invstd, weight = backward_inputs(gen, problem, problem.dtype, shift=shift)
             args = [x.reshape(problem.shape), dy.reshape(problem.shape), mean, invstd]

@@ -53,7 +53,7 @@ from __future__ import annotations
 from tvm_fusion.contracts import BNBackwardProblem
 from tvm_fusion.registry import register
 
-from .common import SplitPlaneMapCandidate, finalize_channels, plane_splits, split_plane_partials, tensor_map
+from .common import SplitPlaneMapCandidate, finalize_channels, plane_splits, split_plane_partials
 
 
 @register
@@ -74,4 +74,4 @@ class BNBackwardSplitPlane(SplitPlaneMapCandidate):
         finalize_channels(sch, "grad_sums", ["dweight", "dbias", *coefficients])
         # 5. Kernel 3: dx over the whole tensor, the scale in the map.
         sch.compute_inline(sch.get_sblock("bn_dx_scale"))
-        tensor_map(sch, "dx", ("x", "dy") if problem.training else ("dy",), knobs)
+        self.map_step(sch, "dx", ("x", "dy") if problem.training else ("dy",), knobs)

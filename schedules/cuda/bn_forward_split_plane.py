@@ -58,7 +58,7 @@ from tvm_fusion.contracts import BNForwardProblem
 from tvm_fusion.registry import register
 
 from ..common import outputs_to
-from .common import SplitPlaneMapCandidate, finalize_channels, plane_splits, split_plane_partials, tensor_map
+from .common import SplitPlaneMapCandidate, finalize_channels, plane_splits, split_plane_partials
 
 
 @register
@@ -81,4 +81,4 @@ class BNForwardSplitPlane(SplitPlaneMapCandidate):
         finalize_channels(sch, "moments", ["var", "mean", *channel_outputs(problem), "bn_scale", "bn_shift"])
         sch.compute_inline(sch.get_sblock("shift"))
         # 5. Kernel 3: y over the whole tensor.
-        tensor_map(sch, "y", ("x",), knobs)
+        self.map_step(sch, "y", ("x",), knobs)

@@ -459,6 +459,60 @@ class SplitPlaneMapCandidate(Candidate):
         return SplitPlaneMapKnobs(splits=splits, threads=threads, vector=widest_vector(problem.dtype, problem.shape[2]),
                                   unroll=batch, map_threads=256, map_steps=4)
 
+    def map_step(self, sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: Any) -> None:
+        """Kernel 3, the map ``name`` over the whole tensor: :func:`tensor_map`."""
+        tensor_map(sch, name, staged, knobs)
+
+
+@dataclass(frozen=True)
+class SplitPlaneRunsKnobs(Knobs):
+    splits: int = 8  # blocks per channel, in kernel 1 and in the map
+    threads: int = 256  # lanes of both
+    vector: int = 8
+    unroll: int = 4  # vectors a lane loads a step, in both
+
+
+class SplitPlaneRunsCandidate(SplitPlaneMapCandidate):
+    """A split-plane candidate whose map takes kernel 1's blocks and walks each run from
+    its end (:func:`run_map`): the knobs of kernel 1 are the map's too."""
+
+    knobs = SplitPlaneRunsKnobs
+
+    def applies(self, problem: Any) -> bool:
+        return super().applies(problem) and bool(even_runs(problem))
+
+    def choices(self, problem: Any, target: Target) -> dict[str, list[int]]:
+        """The split counts, lanes and batches of :func:`even_runs`' triples: of their
+        product a third to a half is even (64x256x56x56: 24 of 72), where the split-plane
+        space's whole product would leave an eighth (24 of 204), and the tuner replays
+        a design space with other samples, keeping those that build (``builds``)."""
+        even = even_runs(problem)
+        return {"splits": sorted({s for s, _, _ in even}), "threads": sorted({t for _, t, _ in even}),
+                "vector": [widest_vector(problem.dtype, problem.shape[2])], "unroll": sorted({b for _, _, b in even})}
+
+    def builds(self, problem: Any, knobs: Any) -> bool:
+        """Runs that a step's lanes deal out with no remainder only: with one, the map
+        stores one value at a time under its bound (:func:`store_vectors`), a map no
+        tuner would keep."""
+        return super().builds(problem, knobs) and (problem.count // knobs.vector // knobs.splits) % (
+            knobs.threads * knobs.unroll) == 0
+
+    def default_for(self, problem: Any, target: Target) -> SplitPlaneRunsKnobs:
+        """Kernel 1 by :func:`even_partials` where its run has no remainder, else the
+        even triple whose split count is nearest the one it wants (:func:`even_runs`)."""
+        vector = widest_vector(problem.dtype, problem.shape[2])
+        splits, threads, batch = even_partials(problem, target)
+        knobs = SplitPlaneRunsKnobs(splits=splits, threads=threads, vector=vector, unroll=batch)
+        if self.builds(problem, knobs):
+            return knobs
+        wanted = -(-(BLOCKS_PER_SM * sm_count(target)) // problem.channels)
+        splits, threads, batch = min(even_runs(problem), key=lambda t: (abs(t[0] - wanted), -t[2], -t[1]))
+        return SplitPlaneRunsKnobs(splits=splits, threads=threads, vector=vector, unroll=batch)
+
+    def map_step(self, sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: Any) -> None:
+        """Kernel 3 on kernel 1's grid and runs, walked backwards: :func:`run_map`."""
+        run_map(sch, name, staged, knobs)
+
 
 def split_plane_partials(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: Any) -> None:
     """Kernel 1 of a split-plane candidate, grid (C, splits): the reduction ``name`` over
@@ -530,6 +584,49 @@ def tensor_map(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: A
         stage_in_registers(sch, block, buffer, serial)
     per_block = knobs_value(sch, knobs.map_steps) * knobs_value(sch, knobs.map_threads)
     store_vectors(sch, block, serial, vec, perfect=chunks % per_block == 0)
+
+
+def even_runs(problem: Any) -> list[tuple[int, int, int]]:
+    """The ``(splits, threads, batch)`` of the split-plane space whose runs a step of
+    ``threads x batch`` vectors deals out with no remainder (so longer than ``threads``
+    where the batch is more than one: TVM lowers them, see :func:`lowers`)."""
+    vector = widest_vector(problem.dtype, problem.shape[2])
+    run = problem.count // vector
+    return [(s, t, b) for s in plane_splits(problem) for t in PARTIAL_THREADS for b in PARTIAL_BATCHES
+            if (run // s) % (t * b) == 0]
+
+
+def run_map(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: Any) -> None:
+    """Kernel 3 of a split-plane candidate laid out as kernel 1 (:func:`split_plane_partials`),
+    walked backwards: the map ``name`` over each channel's (n, l / vector) cut into
+    ``knobs.splits`` runs, a block per (channel, run) in kernel 1's launch order (channels
+    fastest), each run ``[threadIdx.x, serial, batch, vector]`` as kernel 1 reads it; then
+    the grid and every run's serial loop marked to run from their ends
+    (:func:`launch_order.reverse`), so the map's first blocks are kernel 1's last and
+    each reads first what its partner read last.
+
+    The reason: kernel 1's blocks are all resident at once where they fit in one wave
+    (64x256x56x56 at 7 splits of 128 lanes: 1792 blocks, 16 an SM), each walking its run
+    for the whole kernel, so what the L2 holds at its end is the last part of every run,
+    spread over the tensor, not the tensor's end that :func:`tensor_map`'s flat walk
+    starts at. The channel is the block's, so the map's coefficients are read once a
+    lane."""
+    block = sch.get_sblock(name)
+    n, c, l = sch.get_loops(block)
+    l_outer, vec = sch.split(l, [None, knobs.vector])
+    sch.reorder(c, n)
+    run, within = sch.split(sch.fuse(n, l_outer), [knobs.splits, None])
+    per_run = loop_extent(sch, block, 2) // knobs_value(sch, knobs.vector)
+    sch.reorder(run, c)
+    grid = sch.fuse(run, c)
+    sch.bind(grid, "blockIdx.x")
+    launch_order.reverse(sch, grid)
+    serial, batch, _ = lane_steps(sch, within, knobs.threads, knobs.unroll)
+    launch_order.reverse(sch, serial)
+    for buffer in staged:
+        stage_in_registers(sch, block, buffer, batch)
+    per_step = knobs_value(sch, knobs.threads) * knobs_value(sch, knobs.unroll)
+    store_vectors(sch, block, batch, vec, perfect=per_run % per_step == 0)
 
 
 # -- the channels-last view (M, C): rows dealt out to blocks and lanes, lanes on channels ----
