@@ -40,6 +40,7 @@ from tvm_fusion.contracts import cross_entropy_grad as grad_ref
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.kernel import build_kernel
 from tvm_fusion.registry import CANDIDATE_ANNOTATION
+from tvm_fusion.schedules.cuda.common import widest_vector
 
 torch = torch_or_none()
 CPU = targets.resolve("llvm")
@@ -802,6 +803,47 @@ def test_online_gradient_batches_on_gpu(shape, options, dtype, threads, batch):
     knobs = registry.get("cross_entropy_grad_online").knobs(threads=threads, vector=8 if dtype != "float32" else 4,
                                                             unroll=16, batch=batch)
     check_on_device(problem, options, build_kernel(problem, CUDA, "cross_entropy_grad_online", knobs), "cuda")
+
+
+ROWS = [
+    # (shape, options, dtype, threads, batch, rows): a block's ``rows`` rows one after the other.
+    ((256, 32000), {}, "float16", 512, 4, 2),
+    ((240, 50257), {"weight": True, "label_smoothing": 0.1}, "bfloat16", 1024, 1, 2),  # scalar rows
+    ((264, 4096), {"reduction": "none"}, "float32", 256, 2, 2),
+    ((96, 128256), {"reduction": "sum", "target_dtype": "int32"}, "bfloat16", 1024, 8, 3),
+    ((128, 1000), {"all_ignored": True}, "bfloat16", 128, 1, 4),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, options, dtype, threads, batch, rows", ROWS)
+def test_online_gradient_rows_per_block_on_gpu(shape, options, dtype, threads, batch, rows):
+    """cross_entropy_grad_online's ``rows`` knob against float64 on poisoned outputs:
+    each block's rows in turn, the statistics' shared buffers reused row after row."""
+    problem = gpu_problem(shape, options, dtype, "fused")
+    knobs = registry.get("cross_entropy_grad_online").knobs(
+        threads=threads, vector=widest_vector(dtype, shape[1]), unroll=16, batch=batch, rows=rows)
+    check_on_device(problem, options, build_kernel(problem, CUDA, "cross_entropy_grad_online", knobs), "cuda")
+
+
+def test_online_gradient_rows_knob_walks_a_blocks_rows_in_turn():
+    """``rows`` 1 leaves the row kernel a block a row (the split's unit loop vanishes);
+    at 64 the grid is B / 64 blocks, each running the statistics (their barriers) and
+    the gradient pass of its rows one after the other. The choices deal the rows out
+    evenly to one or two blocks an SM (8192 rows on 132 SMs: 64 a block on 128 blocks,
+    32 on 256), and only 1 where B is under the SMs."""
+    cand = registry.get("cross_entropy_grad_online")
+    problem = gpu_problem((8192, 128256), {}, "bfloat16", "fused")
+    assert cand.choices(problem, CUDA)["rows"] == [1, 32, 64] and cand.default_for(problem, CUDA).rows == 1
+    assert cand.choices(gpu_problem((128, 32000), {}, "float16", "fused"), CUDA)["rows"] == [1]
+    knobs = cand.knobs(threads=1024, vector=8, unroll=16, batch=4)
+    one = row_kernel(build_kernel(problem, CUDA, cand.name, knobs).device_source())
+    many = row_kernel(build_kernel(problem, CUDA, cand.name, dataclasses.replace(knobs, rows=64)).device_source())
+    loop = re.search(r"for \(int (\w+) = 0; \1 < 64; \+\+\1\) \{", many)
+    assert loop and "< 64;" not in one
+    assert "__syncthreads" in many[loop.end():] and "((int)blockIdx.x) * 64)" in many
+    assert "((int)blockIdx.x) * 64)" not in one
 
 
 def test_online_gradient_batch_issues_a_steps_loads_together():

@@ -345,8 +345,9 @@ def launch_shape(problem: Problem, candidate: str, values: dict) -> tuple[int, i
     """(blocks, threads per block) of the candidate's main kernel, from its knobs: one
     block per row or channel (``threads`` lanes), ``splits`` blocks per channel for the
     split-plane kernels, ``rows``/``channels`` rows or channels of 32 lanes for the
-    warp-per-row/channel ones, and a (``splits`` x channel groups) grid of (``rows`` x
-    ``channel_lanes``) threads for the channels-last ones."""
+    warp-per-row/channel ones, ``rows`` rows a block for the online gradient, and a
+    (``splits`` x channel groups) grid of (``rows`` x ``channel_lanes``) threads for the
+    channels-last ones."""
     outputs = problem.batch if isinstance(problem, (CrossEntropyProblem, CrossEntropyGradProblem)) else problem.channels
     if "channel_lanes" in values:
         groups = -(-problem.channels // (values["channel_lanes"] * values.get("vector", 1)))
@@ -354,7 +355,7 @@ def launch_shape(problem: Problem, candidate: str, values: dict) -> tuple[int, i
     if "warp_per" in candidate:
         per_block = values.get("rows", values.get("channels", 1))
         return -(-outputs // per_block), 32 * per_block
-    return outputs * values.get("splits", 1), values.get("threads", 1)
+    return -(-outputs // values.get("rows", 1)) * values.get("splits", 1), values.get("threads", 1)
 
 
 def launches(problem: Problem, candidate: str, knobs: Knobs, target: Target) -> bool:

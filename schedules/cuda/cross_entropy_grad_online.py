@@ -55,10 +55,24 @@ batch 8 (an even split, no guard: not faster than the guarded 1024); 2048x151936
 without it keep batch 1, and the gain (4%) leaves the two-read schedule at 1.45x the
 floor.
 
+``rows`` (1: a block a row) gives each block ``rows`` consecutive rows, run one after
+the other (the row loop split ``[blockIdx.x, rows]``; at 1 the CUDA is as before), the
+choices dealing B out evenly to one or two blocks an SM (:func:`rows_per_block`). Why:
+a block a row at 1024 threads and 32 registers is two blocks an SM, 264 rows of
+8192x128256 bf16 (67 MB) read by the statistics pass before their gradient passes
+start, more than the 60 MiB L2 holds, and the gradient pass then re-reads from HBM
+(16384x50257 moves two reads and a write at 99% of the copy rate, above). At 64 rows a
+block on 128 blocks, 32 MB are in flight. The probe below found such blocks slower, but
+with one 16-byte load in flight a lane; with ``batch`` 4 or 8 a 1024-lane block has 64
+or 128 KB in flight, which the copy rate needs of an SM (4.2 TB/s over 132 SMs at about
+1.5 us under load is some 48 KB). Prediction, not yet measured on a GPU: 8192x128256
+bf16 at 1024 threads, batch 8, 64 rows a block under 1.2 ms against 1.4378 at batch 4
+(a block per row). A tuning knob until then.
+
 Not used: persistent row blocks (a grid of one or two blocks an SM, each walking
 consecutive rows, so that the rows in flight fit in L2 for the gradient pass's
-re-read): slower on every shape tried, the row kernel is short of loads in flight,
-not of L2 hits (H200, 2026-12-03, rows "probe: uncommitted rows_per_block knob" in
+re-read) with one load in flight a lane: slower on every shape tried, the row kernel
+was short of loads in flight, not of L2 hits (H200, 2026-12-03, rows "probe: uncommitted rows_per_block knob" in
 results/benchmarks.csv: 8192x128256 bf16 1.5172 ms a block per row at 1024 threads,
 1.5609 at 256 blocks, 1.8794 at 131; 16384x50257 bf16 1.4286 against 1.6601), and
 still with the statistics loop unrolled (2026-12-04, the "probe_grad_rows" rows:
@@ -80,6 +94,7 @@ from tvm.target import Target
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
+from tvm_fusion.targets import sm_count
 
 from ..common import coefficients_at, row_loss_name, single_thread
 from .common import (
@@ -94,12 +109,24 @@ FULL_UNROLL = 1024
 BATCHES = [1, 2, 4, 8]
 
 
+def rows_per_block(problem: CrossEntropyGradProblem, target: Target) -> list[int]:
+    """``rows`` choices: 1 (a block a row), and the counts that deal the rows out evenly
+    to one or two blocks an SM (B / rows between the SMs and twice as many, or just
+    under: 8192 rows on 132 SMs take 64 a block on 128 blocks), so that at most one or
+    two rows an SM are in flight (module docstring). Only divisors of B: a remainder
+    would put the block's barriers under a row guard."""
+    sms = sm_count(target)
+    return [1] + [r for r in range(2, int(problem.batch / (0.9 * sms)) + 1)
+                  if problem.batch % r == 0 and 0.9 * sms <= problem.batch // r <= 2 * sms]
+
+
 @dataclass(frozen=True)
 class GradOnlineKnobs(Knobs):
     threads: int = 256
     vector: int = 8  # of the gradient pass (the statistics read 16-byte chunks)
     unroll: int = 16
     batch: int = 1  # chunks (vectors) a lane loads a step, in both passes
+    rows: int = 1  # consecutive rows a block takes, one after the other
 
 
 @register
@@ -132,6 +159,7 @@ class CrossEntropyGradOnline(Candidate):
             "unroll": [1, 4, 16] if reads_16_bytes(problem.dtype, problem.classes) else [1, 4, 16, FULL_UNROLL],
             # Scalar rows get their loads together from FULL_UNROLL.
             "batch": BATCHES if reads_16_bytes(problem.dtype, problem.classes) else [1],
+            "rows": rows_per_block(problem, target),
         }
 
     def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> GradOnlineKnobs:
@@ -152,11 +180,12 @@ class CrossEntropyGradOnline(Candidate):
         coefficients_at(sch, problem, dlogits_row, "local")
         loss = row_loss_name(problem)
         row = merge_grad_rows(sch, problem, ("row_online",))
-        sch.bind(row, "blockIdx.x")
+        grid, _ = sch.split(row, [None, knobs.rows])  # a block's rows one after the other
+        sch.bind(grid, "blockIdx.x")
         # 2. Chunks across the lanes; each chunk reduced in registers.
         online_chunks(sch, knobs.threads, knobs.unroll, "local", knobs.batch)
         # 4. The gradient over the row.
-        grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll, batch=knobs.batch)
+        grad_map(sch, 2, knobs.threads, knobs.vector, knobs.unroll, batch=knobs.batch)
         # 3. lse and the row loss on thread 0.
         for name in ("lse", loss):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
