@@ -3,7 +3,7 @@ step to its first.
 
 Why: a second pass over a tensor (BatchNorm's map after its statistics) reads again
 what the first pass read, and the last part the first pass read is still in the L2
-cache (50 MB on the H200) when the second one starts. A second pass that starts there
+cache (60 MiB on the H200) when the second one starts. A second pass that starts there
 finds that part on chip; one that starts where the first started finds it evicted
 by the time it gets there, and reads everything from HBM again.
 
@@ -29,8 +29,10 @@ kernels under CUDA-graph replay on rotated input sets, off then on, ms): BatchNo
 64x256x56x56 fp16 0.0822 -> 0.0815 and 0.2096 -> 0.2032; 32x64x112x112 fp16 0.0448 ->
 0.0444 and 0.1133 -> 0.1125. Cross entropy's fused gradient 8192x128256 bf16 1.5450 ->
 1.5025, 2048x151936 bf16 0.4700 -> 0.4445; 16384x50257 bf16 (scalar rows, its
-gradient loop unrolled, so unmarked) 1.1617 -> 1.1601. Less than the L2's 50 MB would
-allow on the NCHW split-plane map (0.7 us of 82): not yet understood.
+gradient loop unrolled, so unmarked) 1.1617 -> 1.1601. The NCHW split-plane map gained
+little (0.7 us of 82) because its first pass does not end at the tensor's end: kernel 1
+is one wave there, so the L2 holds the end of every run (``schedules.cuda.common.run_map``
+walks those first).
 """
 
 from __future__ import annotations

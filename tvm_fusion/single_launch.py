@@ -47,7 +47,6 @@ MAX_SERIAL_BLOCKS = 4
 PIPELINE = "tvm_fusion_single_launch"
 
 
-
 def with_launch_counter(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` with an int32 (1,) ``launch_counter`` parameter appended to ``main``."""
     func = mod["main"]

@@ -391,6 +391,11 @@ def lowers(problem: Any, knobs: Any) -> bool:
     return knobs.unroll == 1 or problem.count // knobs.vector // knobs.splits != knobs.threads
 
 
+def wanted_splits(problem: Any, target: Target) -> int:
+    """Blocks a channel needs for ``BLOCKS_PER_SM`` blocks an SM."""
+    return -(-(BLOCKS_PER_SM * sm_count(target)) // problem.channels)
+
+
 def even_partials(problem: Any, target: Target) -> tuple[int, int, int]:
     """Kernel 1's ``(splits, threads, unroll)`` for a split-plane candidate: a run that
     a block's ``threads x unroll`` vectors deal out with no remainder. A remainder puts
@@ -403,7 +408,7 @@ def even_partials(problem: Any, target: Target) -> tuple[int, int, int]:
     (a guard)."""
     vector = widest_vector(problem.dtype, problem.shape[2])
     run = problem.count // vector
-    wanted = -(-(BLOCKS_PER_SM * sm_count(target)) // problem.channels)
+    wanted = wanted_splits(problem, target)
     options = plane_splits(problem)
     near = [s for s in options if wanted <= s <= 4 * wanted] or options
     for batch in (4, 2, 1):
@@ -494,8 +499,7 @@ class SplitPlaneRunsCandidate(SplitPlaneMapCandidate):
         """Runs that a step's lanes deal out with no remainder only: with one, the map
         stores one value at a time under its bound (:func:`store_vectors`), a map no
         tuner would keep."""
-        return super().builds(problem, knobs) and (problem.count // knobs.vector // knobs.splits) % (
-            knobs.threads * knobs.unroll) == 0
+        return super().builds(problem, knobs) and (knobs.splits, knobs.threads, knobs.unroll) in even_runs(problem)
 
     def default_for(self, problem: Any, target: Target) -> SplitPlaneRunsKnobs:
         """Kernel 1 by :func:`even_partials` where its run has no remainder, else the
@@ -505,7 +509,7 @@ class SplitPlaneRunsCandidate(SplitPlaneMapCandidate):
         knobs = SplitPlaneRunsKnobs(splits=splits, threads=threads, vector=vector, unroll=batch)
         if self.builds(problem, knobs):
             return knobs
-        wanted = -(-(BLOCKS_PER_SM * sm_count(target)) // problem.channels)
+        wanted = wanted_splits(problem, target)
         splits, threads, batch = min(even_runs(problem), key=lambda t: (abs(t[0] - wanted), -t[2], -t[1]))
         return SplitPlaneRunsKnobs(splits=splits, threads=threads, vector=vector, unroll=batch)
 
@@ -575,7 +579,8 @@ def tensor_map(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: A
     sch.reorder(lane, serial)
     sch.bind(run, "blockIdx.x")
     # Last block first: kernel 1's blocks run channels fastest and its runs of (n, l)
-    # in order, so the tensor's end is what it read last, still in L2 (launch_order).
+    # in order, so over several waves the tensor's end is what it read last, still in
+    # L2 (launch_order); in one wave it is the end of every run (run_map).
     launch_order.reverse(sch, run)
     sch.bind(lane, "threadIdx.x")
     unroll(sch, serial, knobs.map_steps)
