@@ -10,11 +10,24 @@ kernel 1 read it, the grid and the serial loop from their ends; x and dy (dy alo
 eval) in 16-byte loads, dx in 16-byte stores, the channel's coefficients read once a
 lane. Knobs: kernel 1's, which the map shares.
 
-Why, and the prediction: ``bn_forward_split_plane_runs``' docstring. Kernel 1 reads two
-tensors here, so half as much of each is left in L2; on 32x64x112x112 fp16 (two 51 MB
-tensors, 14 splits of 128 lanes: 896 blocks, one wave) about 25 MB of the map's 103 MB
-of reads would come from L2, some 10% of the backward's 257 MB of HBM traffic. Not
-preferred over ``bn_backward_split_plane`` until an H200 A/B says so; the tuner times it.
+Why: ``bn_forward_split_plane_runs``' docstring. The prediction there, kernel 1's last
+reads served from L2, missed; what the A/B of 2026-12-05 on the H200 found is in
+:func:`~schedules.cuda.common.wider_step`: at a batch of 4 this map takes 40
+registers (two inputs), and 256 lanes at a batch of 2 keep it at 32. Forward +
+backward, each pair of one kind (rows "probe: split-plane maps A/B" of
+results/benchmarks.csv), flat pair -> runs pair at ``wider_step``'s knobs:
+
+| shape | flat | runs |
+|---|---|---|
+| 64x256x56x56 fp16 | 0.2159 ms | 0.2103 |
+| 64x256x56x56 bf16 | 0.2189 | 0.2108 |
+| 32x64x112x112 fp16 | 0.1132 | 0.1075 |
+| 32x64x112x112 fp32 | 0.2103 | 0.2122 (256 lanes already; within the 1% noise) |
+| 8x3x224x224 fp16 | 0.0155 | 0.0145 |
+
+Preferred over ``bn_backward_split_plane`` where it applies (listed first in
+``DISPATCH_ORDER``). On 64x256x56x56 fp16 the tuned record (``bn_backward`` at 512
+lanes, 0.2024 ms with the forward) still wins, and dispatch keeps it.
 """
 
 from __future__ import annotations

@@ -23,12 +23,27 @@ block walking its run for the whole kernel, so its last reads are the last part 
 every run, spread over the tensor. Walked as kernel 1 walked, backwards, the map
 reads those first.
 
-Prediction (not yet measured on a GPU): the map's reads hit L2 until its own writes
-have evicted what kernel 1 left, about half of the L2's 60 MiB, so some 25-30 MB of
-the 103 MB re-read of 64x256x56x56 fp16 comes from L2: 308 MB of HBM traffic down to
-about 280, the forward 0.0815 ms down to about 0.075 (the issue's 1.5x floor is
-0.0735). Not preferred over ``bn_forward_split_plane`` (listed after it in
-``DISPATCH_ORDER``) until an H200 A/B says so; the tuner times it.
+Predicted (2026-12-05): the map's reads hit L2 until its own writes have evicted what
+kernel 1 left, about half of the L2's 60 MiB, the forward 0.0815 ms down to about 0.075.
+Measured the same day on the H200 (rows "probe: split-plane maps A/B" of
+results/benchmarks.csv, each kernel checked against float64 first), forward alone, flat
+map -> runs (:func:`~schedules.cuda.common.wider_step`'s knobs):
+
+| shape | flat | runs |
+|---|---|---|
+| 64x256x56x56 fp16 | 0.0820 ms | 0.0812 |
+| 64x256x56x56 bf16 | 0.0821 | 0.0816 |
+| 32x64x112x112 fp16 | 0.0449 | 0.0434 |
+| 32x64x112x112 fp32 | 0.0821 | 0.0814 |
+| 8x3x224x224 fp16 | 0.0078 | 0.0073 |
+
+So the prediction missed on 64x256x56x56: 1%, not 8%. What kernel 1 leaves in L2 is
+not read back from it, or not enough to show; without a profiler on the GPU host the L2
+hit rate stayed unmeasured. The gain is where the grid is less than a wave (3% on
+32x64x112x112, 6% on 8x3x224x224): there the map's block owns a channel, and its
+coefficients are read once a lane, not once a vector. Preferred over
+``bn_forward_split_plane`` where it applies (listed first in ``DISPATCH_ORDER``); the
+backward gains more (``bn_backward_split_plane_runs``).
 """
 
 from __future__ import annotations

@@ -503,14 +503,15 @@ class SplitPlaneRunsCandidate(SplitPlaneMapCandidate):
 
     def default_for(self, problem: Any, target: Target) -> SplitPlaneRunsKnobs:
         """Kernel 1 by :func:`even_partials` where its run has no remainder, else the
-        even triple whose split count is nearest the one it wants (:func:`even_runs`)."""
+        even triple whose split count is nearest the one it wants (:func:`even_runs`);
+        then :func:`wider_step`'s lanes for the same step."""
         vector = widest_vector(problem.dtype, problem.shape[2])
-        splits, threads, batch = even_partials(problem, target)
-        knobs = SplitPlaneRunsKnobs(splits=splits, threads=threads, vector=vector, unroll=batch)
-        if self.builds(problem, knobs):
-            return knobs
-        wanted = wanted_splits(problem, target)
-        splits, threads, batch = min(even_runs(problem), key=lambda t: (abs(t[0] - wanted), -t[2], -t[1]))
+        even = even_runs(problem)
+        triple = even_partials(problem, target)
+        if triple not in even:
+            wanted = wanted_splits(problem, target)
+            triple = min(even, key=lambda t: (abs(t[0] - wanted), -t[2], -t[1]))
+        splits, threads, batch = wider_step(triple, even)
         return SplitPlaneRunsKnobs(splits=splits, threads=threads, vector=vector, unroll=batch)
 
     def map_step(self, sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: Any) -> None:
@@ -599,6 +600,30 @@ def even_runs(problem: Any) -> list[tuple[int, int, int]]:
     run = problem.count // vector
     return [(s, t, b) for s in plane_splits(problem) for t in PARTIAL_THREADS for b in PARTIAL_BATCHES
             if (run // s) % (t * b) == 0]
+
+
+RUN_LANES = 256  # the most lanes wider_step gives a runs' block
+
+
+def wider_step(triple: tuple[int, int, int], even: list[tuple[int, int, int]]) -> tuple[int, int, int]:
+    """``(splits, threads, batch)`` with twice the lanes and half the batch (the same
+    step of ``threads x batch`` vectors, so still even) while the batch stays two or more
+    and the lanes ``RUN_LANES`` or fewer.
+
+    Why, from the split-plane A/B on the H200 (2026-12-05, rows "probe: split-plane maps
+    A/B" of results/benchmarks.csv): the backward's map reads x and dy, and at a batch
+    of 4 nvcc gives it 40 registers, 12 blocks of 128 an SM, not 16. On 64x256x56x56
+    its 1792 blocks then take 1.13 waves (0.85 at 32 registers), and forward + backward
+    took 0.2221 ms at 128 lanes x 4 against 0.2103 at 256 x 2 (32 registers); on
+    32x64x112x112 fp16, less than a wave either way, 0.1109 against 0.1075 (twice the
+    warps for the same 111 KB in flight an SM). The forward alone (one input, 32
+    registers at either) moved within 2% (0.0813 -> 0.0812, bf16 0.0831 -> 0.0816). A
+    batch of one (8x3x224x224 at 128 x 2 -> 256 x 1) was slower: 0.0145 -> 0.0147 ms
+    forward + backward, so the batch stops at two."""
+    splits, threads, batch = triple
+    while batch > 2 and 2 * threads <= RUN_LANES and (splits, 2 * threads, batch // 2) in even:
+        threads, batch = 2 * threads, batch // 2
+    return splits, threads, batch
 
 
 def run_map(sch: s_tir.Schedule, name: str, staged: tuple[str, ...], knobs: Any) -> None:
