@@ -65,9 +65,20 @@ start, more than the 60 MiB L2 holds, and the gradient pass then re-reads from H
 block on 128 blocks, 32 MB are in flight. The probe below found such blocks slower, but
 with one 16-byte load in flight a lane; with ``batch`` 4 or 8 a 1024-lane block has 64
 or 128 KB in flight, which the copy rate needs of an SM (4.2 TB/s over 132 SMs at about
-1.5 us under load is some 48 KB). Prediction, not yet measured on a GPU: 8192x128256
-bf16 at 1024 threads, batch 8, 64 rows a block under 1.2 ms against 1.4378 at batch 4
-(a block per row). A tuning knob until then.
+1.5 us under load is some 48 KB). Predicted: 8192x128256 bf16 at 1024 threads, batch 8,
+64 rows a block under 1.2 ms against 1.4378 at batch 4 (a block per row). Measured
+(H200, 2026-12-05, rows "probe: online gradient rows and batch knobs" of
+results/benchmarks.csv, forward + backward under graph replay), 8192x128256 bf16 at
+1024 threads: batch 4 a block a row 1.4396 ms, batch 8 1.4763; batch 8 at 64 rows
+1.4261, at 32 rows 1.4228; batch 4 at 64 rows 1.4855, batch 2 1.6929. The prediction
+missed: 1%, not 17%. Other shapes lost: 2048x151936 bf16 0.4377 ms a block a row
+against 0.4649 at 8 rows and 0.4972 at 16; 16384x50257 bf16 1.1653 against 1.5255 at
+128 rows; 4096x32000 fp16 0.1377 (dispatch) against 0.1918 at 16 rows. Why, as far as
+the timings tell: at one 1024-lane block an SM each row ends its two passes with a drain
+(the last loads, then the block's reduction and barrier), which a second block an SM
+would overlap; at two blocks an SM (32 rows, 256 blocks) two rows of 256 KB an SM, 67
+MB, no longer fit the L2 with the writes. The two needs meet at about 1.8 rows of this
+length an SM (60 MiB over 132 SMs), too near to pay. A tuning knob, dispatch keeps 1.
 
 Not used: persistent row blocks (a grid of one or two blocks an SM, each walking
 consecutive rows, so that the rows in flight fit in L2 for the gradient pass's
