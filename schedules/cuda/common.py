@@ -619,7 +619,9 @@ def wider_step(triple: tuple[int, int, int], even: list[tuple[int, int, int]]) -
     warps for the same 111 KB in flight an SM). The forward alone (one input, 32
     registers at either) moved within 2% (0.0813 -> 0.0812, bf16 0.0831 -> 0.0816). A
     batch of one (8x3x224x224 at 128 x 2 -> 256 x 1) was slower: 0.0145 -> 0.0147 ms
-    forward + backward, so the batch stops at two."""
+    forward + backward, so the batch stops at two. Untimed: kernel 1 at 256 lanes x 4
+    (64x64x112x112 fp16) keeps that, and its backward map the 40 registers (6 blocks of
+    256 an SM, 1.13 waves); 512 x 2 would take 32."""
     splits, threads, batch = triple
     while batch > 2 and 2 * threads <= RUN_LANES and (splits, 2 * threads, batch // 2) in even:
         threads, batch = 2 * threads, batch // 2
