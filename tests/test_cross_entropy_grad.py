@@ -27,8 +27,8 @@ import numpy as np
 import pytest
 import tvm
 
-from helpers import (TOLERANCES, assert_close, candidate_params, has_gpu, np_dtype, random_floats, rng, run_poisoned,
-                     shipped_problems, torch_or_none)
+from helpers import (TOLERANCES, assert_close, candidate_params, check_compiles_without_spills, has_gpu, needs_nvcc,
+                     np_dtype, random_floats, rng, run_poisoned, shipped_problems, torch_or_none)
 from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
 from tvm_fusion import dispatch, registry, targets, tuner
 from tvm_fusion.codegen import cuda_report, nvcc_path
@@ -436,7 +436,8 @@ CUDA_CASES = [((4096, 32000), "bfloat16", {}), ((128, 32000), "float32", {"reduc
               ((64, 50257), "float16", {"weight_shape": (50257,), "label_smoothing": 0.1}),
               ((65536, 1000), "bfloat16", {"reduction": "sum", "target_dtype": "int32"}),
               ((65, 1000), "float16", {"reduction": "none", "weight_shape": (1000,), "label_smoothing": 0.2}),
-              ((3, 16), "float32", {"ignore_index": 2})]
+              ((3, 16), "float32", {"ignore_index": 2}),
+              ((2, 73736), "float16", {"weight_shape": (73736,), "label_smoothing": 0.1})]  # head_in_shared
 
 
 def cuda_cases():
@@ -825,6 +826,47 @@ def test_online_gradient_rows_per_block_on_gpu(shape, options, dtype, threads, b
     knobs = registry.get("cross_entropy_grad_online").knobs(
         threads=threads, vector=widest_vector(dtype, shape[1]), unroll=16, batch=batch, rows=rows)
     check_on_device(problem, options, build_kernel(problem, CUDA, "cross_entropy_grad_online", knobs), "cuda")
+
+
+HEADS = [
+    # (shape, options, dtype, threads, batch): the row's head in shared memory, the tail from the logits.
+    ((48, 128256), {}, "bfloat16", 1024, 4),  # H = 98304, a tail of 3.66 steps: guarded
+    ((33, 73736), {"weight": True, "label_smoothing": 0.1, "reduction": "none"}, "float16", 512, 2),  # H = 65536
+    ((20, 40000), {"reduction": "sum", "target_dtype": "int32"}, "float32", 256, 1),  # H = 32768
+    ((64, 151936), {"all_ignored": True}, "bfloat16", 1024, 2),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, options, dtype, threads, batch", HEADS)
+def test_head_in_shared_on_gpu(shape, options, dtype, threads, batch):
+    """cross_entropy_grad_head_in_shared against float64 on poisoned outputs: heads of
+    one to three grains, every option kind, lanes and batches of its space."""
+    problem = gpu_problem(shape, options, dtype, "fused")
+    knobs = registry.get("cross_entropy_grad_head_in_shared").knobs(
+        threads=threads, vector=widest_vector(dtype, shape[1]), unroll=16, batch=batch)
+    check_on_device(problem, options, build_kernel(problem, CUDA, "cross_entropy_grad_head_in_shared", knobs), "cuda")
+
+
+@needs_nvcc
+def test_head_in_shared_reads_the_head_from_shared_memory_and_the_tail_from_the_logits():
+    """The build's loop partition splits the statistics' chunk loop and the map's loop at
+    H: the head's parts load 16 bytes from the shared copy, the tail's 16 bytes from the
+    logits, and no load picks its source at run time; the copy is 16-byte loads and
+    stores, a barrier before the first read of it; no spills at 1024 lanes."""
+    problem = gpu_problem((8192, 128256), {}, "bfloat16", "fused")
+    kernel = build_kernel(problem, CUDA, "cross_entropy_grad_head_in_shared")
+    body = row_kernel(kernel.device_source())
+    copy = re.findall(r"\*\(uint4\*\)\(row_head_shared_dyn_ptr[^=]*= \*\(uint4\*\)\(logits_ptr", body)
+    assert len(copy) == 12  # 98304 values: 12 steps of 1024 lanes x 8, unrolled
+    from_head = re.findall(r"_src_local_ptr(?:_\d)? \+ 0\) = \*\(uint4\*\)\(row_head_shared_dyn_ptr", body)
+    from_logits = re.findall(r"_src_local_ptr(?:_\d)? \+ 0\) = \*\(uint4\*\)\(logits_ptr", body)
+    assert len(from_head) == 8 and len(from_logits) == 8, (len(from_head), len(from_logits))  # 4 a step, each pass
+    assert "likely" not in body and " ? " not in body.split("row_head_shared_dyn_ptr", 1)[1]
+    assert body.index("__syncthreads()") < body.index("row_src_local_ptr + 0) = *(uint4*)(row_head_shared_dyn_ptr")
+    assert re.search(r"\*\(uint4\*\)\(dlogits_ptr", body)
+    check_compiles_without_spills(kernel)
 
 
 def test_online_gradient_rows_knob_walks_a_blocks_rows_in_turn():

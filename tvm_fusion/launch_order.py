@@ -151,9 +151,15 @@ def tail() -> tvm.transform.Pass:
 
 
 def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IRModule:
-    """``mod`` through ``pipeline`` (``s_tir``'s) without its :data:`TAIL`, marked loops reversed."""
+    """``mod`` through ``pipeline`` (``s_tir``'s) without its :data:`TAIL`, marked loops
+    reversed; with loop partition on const loops where a function asks for it (the
+    ``tvm_fusion.partition_likely`` attribute, :data:`tvm_fusion.compute.PARTITION_LIKELY`)."""
+    config = dict(ctx.config)
+    if any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and f.attrs.get("tvm_fusion.partition_likely")
+           for f in mod.functions.values()):
+        config["s_tir.LoopPartition"] = {"partition_const_loop": True}
     with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
-                                   disabled_pass=[*ctx.disabled_pass, *TAIL], config=dict(ctx.config),
+                                   disabled_pass=[*ctx.disabled_pass, *TAIL], config=config,
                                    instruments=list(ctx.instruments)):
         mod = pipeline(mod)
     return reverse_marked_loops(mod)

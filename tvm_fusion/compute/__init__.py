@@ -74,14 +74,22 @@ def prim_func(problem: Problem, algorithm: str | None = None) -> tirx.PrimFunc:
     """
     algorithm = algorithm or default_algorithm(problem)
     func = te.create_prim_func(te_tensors(problem, algorithm))
-    return func.with_attrs(
-        {
-            "global_symbol": "main",
-            "tvm_fusion.op": problem.op,
-            "tvm_fusion.algorithm": algorithm,
-            "tvm_fusion.problem": problem_to_json(problem),
-        }
-    )
+    attrs = {
+        "global_symbol": "main",
+        "tvm_fusion.op": problem.op,
+        "tvm_fusion.algorithm": algorithm,
+        "tvm_fusion.problem": problem_to_json(problem),
+    }
+    if algorithm in PARTITION_LIKELY:
+        attrs[PARTITION_LIKELY_ATTR] = True
+    return func.with_attrs(attrs)
+
+
+# Decompositions whose loops over a row test ``likely(k < H)`` (cross_entropy_grad's
+# fused_head): the build runs TVM's loop partition on const loops for them
+# (launch_order.lowered), which splits such a loop at H, each part without the test.
+PARTITION_LIKELY = ("fused_head",)
+PARTITION_LIKELY_ATTR = "tvm_fusion.partition_likely"
 
 
 def problem_to_json(problem: Problem) -> str:

@@ -36,6 +36,12 @@ coef(S) -> dlogits(SS) | row_loss(R) -> loss``
        reads only what the batch pass computed; B more values).
 ``fused_online``  the same with the forward's ``online`` chunked statistics (1-2 in one
     read of the row; ``dlogits`` is the second).
+``fused_head``  ``fused_online`` over ``row_head``, a copy of each row's first H values
+    (:func:`head_length`: 192 KB), for k < H and the logits after: ``row_src`` (the
+    statistics' chunks) and ``map_src`` (``dlogits``' vectors) each read ``row_head[i, k]``
+    under ``likely(k < H)``, else ``logits[i, k]``, so that the build's loop partition
+    splits their loops at H (:func:`head_sources`). Kept on chip, the head is read from
+    HBM once; the tail twice.
 ``fused_poly_exp``  ``fused`` with the polynomial exp (LLVM vectorizes it).
 ``fused_padded``  ``fused`` with the forward's ``padded_three_pass`` statistics (the row's
     16-byte granules padded to a multiple of 32 lanes; V a multiple of a granule's
@@ -100,11 +106,11 @@ from .cross_entropy import (
 from .primitives import DUAL_SUM, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen
 
 ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp", "fused_padded",
-              "fused_window")
+              "fused_window", "fused_head")
 MODE_OF = {name: "from_lse" if name.startswith("from_lse") else "fused" for name in ALGORITHMS}
 DEFAULT_FOR_MODE = {"fused": "fused", "from_lse": "from_lse"}
 # The forward decomposition whose row statistics each fused decomposition reuses.
-STATISTICS = {"fused": "three_pass", "fused_online": "online", "fused_poly_exp": "three_pass_poly_exp",
+STATISTICS = {"fused": "three_pass", "fused_online": "online", "fused_head": "online", "fused_poly_exp": "three_pass_poly_exp",
               "fused_padded": "padded_three_pass"}
 
 TARGET_SUMS = tuple_reducer(("sum", "min"), name="target_sums")
@@ -185,6 +191,10 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
             x_loss = lambda i, _k: target_logit[i]  # noqa: E731
         if algorithm == "fused_window":  # dlogits reads the row from the window
             x_map, row_max, row_sumexp, extra = window_statistics(problem, logits, weight, idx)
+        elif algorithm == "fused_head":  # the row's head from its copy, the tail from the logits
+            row_src, map_src = head_sources(problem, logits, idx)
+            row_max, row_sumexp, extra = row_statistics(problem, row_src, weight, "online", idx)
+            x_map = lambda i, k: widen(map_src[i, k], problem.dtype)  # noqa: E731
         else:
             row_max, row_sumexp, extra = row_statistics(problem, logits, weight, STATISTICS[algorithm], idx)
         lse_out = te.compute(rows, lambda i: logsumexp(row_max[i], row_sumexp[i]), name="lse")
@@ -352,3 +362,43 @@ def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx:
         return widen(window[i, tirx.floordiv(e, C), tirx.floormod(e, C)], problem.dtype)
 
     return x, row_max, stats[0], list(stats[1:])
+
+
+HEAD_BYTES = 192 * 1024  # the most of a row fused_head keeps on chip (one block an SM)
+HEAD_GRAIN = 32768  # a head is a multiple of this many values: 1024 lanes x 8 values x a batch of 4
+
+
+def head_length(problem) -> int:
+    """``fused_head``'s H: the row's first H values, copied on chip; the most multiples of
+    ``HEAD_GRAIN`` values within ``HEAD_BYTES`` that leave a tail. A row of a grain or
+    less (no GPU candidate takes one; the decomposition's tests do) keeps all its whole
+    16-byte chunks but the last value's; a ValueError for a row of one chunk or less."""
+    from ..contracts.common import DTYPE_BYTES
+    chunk = 16 // DTYPE_BYTES[problem.dtype]
+    if problem.classes <= chunk:
+        raise ValueError(f"cross_entropy_grad: fused_head needs V > {chunk} for {problem.dtype}, "
+                         f"got V = {problem.classes}")
+    grains = min(HEAD_BYTES // (HEAD_GRAIN * DTYPE_BYTES[problem.dtype]), (problem.classes - 1) // HEAD_GRAIN)
+    return grains * HEAD_GRAIN if grains >= 1 else (problem.classes - 1) // chunk * chunk
+
+
+def head_sources(problem, logits: te.Tensor, idx: str) -> tuple[te.Tensor, te.Tensor]:
+    """``fused_head``'s ``(row_src, map_src)``: the row as the statistics and ``dlogits``
+    read it, ``row_head[i, k]`` (the copy of the row's first H values, a schedule keeps
+    it in shared memory) for k < H, the logits after. The test is ``likely``, so that
+    the build's loop partition (``LOOP_PARTITION``) splits a loop over the row at H into
+    a loop over the copy and one over the logits, each without it; the copy's index is
+    ``k mod H``: k where it is read, and inside the copy for the tail's k, so that no
+    region a schedule sees reaches past it. Two tensors of one expression: each is
+    staged into registers by its own reader, the statistics' chunks and the map's
+    vectors."""
+    head = head_length(problem)
+    batch, classes = dims(problem.shape, idx)
+    H = tirx.IntImm(idx, head)
+    row_head = te.compute([batch, H], lambda i, k: logits[i, k], name="row_head")
+
+    def source(i, k):
+        return tirx.if_then_else(tirx.likely(k < H), row_head[i, tirx.floormod(k, H)], logits[i, k])
+
+    return (te.compute([batch, classes], source, name="row_src"),
+            te.compute([batch, classes], source, name="map_src"))

@@ -1,0 +1,148 @@
+"""Cross entropy and its gradient for rows too long for shared memory, the row's head kept there.
+
+Pattern ``t(R) -> denom, first_bad | x -> head(SS) -> (max, sum exp)(S) -> lse, row_loss,
+coef(S) -> dlogits(SS) | row_loss(R) -> loss``, the ``fused_head`` decomposition: the
+first H values of each row (``compute.cross_entropy_grad.head_length``: 192 KB, 98304
+values in fp16/bf16) are copied into dynamic shared memory, and the statistics and the
+gradient read them from there, the rest of the row (the tail) from the logits.
+
+Kernel 1, one block: the targets pass. Kernel 2, grid (B,), one block of ``threads``
+lanes a row (one an SM: the copy takes 192 KB of the SM's 228):
+1. Every per-row block shares one row loop (``merge_grad_rows``) bound to ``blockIdx.x``.
+2. The head is copied in, ``[threadIdx.x, serial, batch, vector]``: 16-byte global loads,
+   16-byte shared stores.
+3. ``row_online`` over the row's 16-byte chunks as ``cross_entropy_grad_online``'s
+   (``online_chunks``): each chunk staged into registers (``row_src``) from the copy below
+   H and from the logits after; the build's loop partition splits the chunk loop at H,
+   so each part loads one source with no test (``compute.PARTITION_LIKELY``).
+4. ``dlogits`` ``[threadIdx.x, serial, batch, vector]``: each vector staged into registers
+   (``map_src``) from the copy or the logits, split the same way; the gradient in float32;
+   16-byte stores.
+5. Thread 0 writes ``lse`` and the row loss (``row_order``).
+Kernel 3, one block: the loss.
+
+Why: ``cross_entropy_grad_online`` reads a long row twice, the statistics pass and the
+gradient pass, and the second read comes back from HBM where the rows in flight do not
+fit the L2: 8192x128256 bf16 took 1.4396 ms at its best default-kind knobs and 1.4228 at
+32 rows a block (H200, 2026-12-05, rows "probe: online gradient rows and batch knobs" of
+results/benchmarks.csv), 1.44x the 0.9893 ms of one read and one write. Here the head is
+read from HBM once; only the tail (29952 of 128256 values) is read twice.
+
+Prediction, not yet measured on a GPU: 8192x128256 bf16 moves 2.10 GB read, 0.49 GB
+re-read (the tail) and 2.10 GB written, 4.69 GB against the online candidate's 6.30: at
+the copy rate of that run (4.24 TB/s read + write) 1.11 ms. The online kernel ran at
+0.96x its own traffic's time (1.4228 against 1.485 ms: the L2 served part of its
+re-read), so about 1.1 ms: 0.77x today's best, 1.1x the floor. What could spoil it: one
+1024-lane block an SM drains at each pass's end (the rows knob's timings), and the head
+makes a third trip through the SM (global to shared, then shared to registers twice).
+
+Not used: the head copied by the statistics' own chunk loads (TensorIR's ``compute_at``
+needs every consumer of a staged block under the loop, and the map reads the copy after
+it); the row split in the schedule (``loop_partition`` leaves a loop that starts at H,
+which ``split`` refuses), hence the ``likely`` test and the build's partition.
+
+Applies to the fused gradient out of place, 16-byte rows (V a multiple of a 16-byte
+chunk's values) over ``ROW_BYTES_MAX`` (shorter rows fit whole:
+``cross_entropy_grad_row_in_shared``) and over one ``HEAD_GRAIN``. Not preferred: the
+tuner's to pick until an H200 A/B says where it wins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from tvm_fusion.compute.cross_entropy_grad import HEAD_GRAIN, head_length
+from tvm_fusion.contracts import CrossEntropyGradProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, Knobs, register
+
+from ..common import coefficients_at, lane_steps, lanes_split, outputs_to, row_loss_name, single_thread, unroll
+from .common import (
+    VECTOR_BYTES, merge_grad_rows, reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue,
+)
+from .cross_entropy_row_in_shared import ROW_BYTES_MAX
+
+
+@dataclass(frozen=True)
+class HeadInSharedKnobs(Knobs):
+    threads: int = 1024
+    vector: int = 8  # values a 16-byte vector holds (fixed by the dtype)
+    unroll: int = 16
+    batch: int = 4  # vectors a lane loads a step, in the copy, the statistics and the map
+
+
+@register
+class CrossEntropyGradHeadInShared(Candidate):
+    name = "cross_entropy_grad_head_in_shared"
+    op = "cross_entropy_grad"
+    target_kind = "cuda"
+    algorithm = "fused_head"
+    knobs = HeadInSharedKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyGradProblem) -> bool:
+        return (problem.op == self.op and problem.mode == "fused" and not problem.in_place
+                and reads_16_bytes(problem.dtype, problem.classes)
+                and problem.classes * DTYPE_BYTES[problem.dtype] > ROW_BYTES_MAX and problem.classes > HEAD_GRAIN)
+
+    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
+        return False  # unmeasured (module docstring)
+
+    def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
+        # threads x vector x batch divides HEAD_GRAIN for all of these, so the head is
+        # a whole number of steps and the loop partition splits at a step.
+        return {"threads": [256, 512, 1024], "vector": [VECTOR_BYTES // DTYPE_BYTES[problem.dtype]],
+                "unroll": [1, 4, 16], "batch": [1, 2, 4]}
+
+    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> HeadInSharedKnobs:
+        return HeadInSharedKnobs(vector=VECTOR_BYTES // DTYPE_BYTES[problem.dtype])
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        threads, vector, step, batch = knobs.threads, knobs.vector, knobs.unroll, knobs.batch
+        # Kernel 1: the targets pass.
+        schedule_grad_prologue(sch, problem)
+        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
+        coefficients_at(sch, problem, dlogits_row, "local")
+        # Each row's blocks laid out under their own row loops first: the staged sources
+        # (row_src, map_src) must be under their readers before the row loops merge, or
+        # the merge leaves them behind their readers (TVM's merge checks no dependence).
+        # 2. The head into shared memory, 16 bytes a lane a load.
+        copy = sch.get_sblock("row_head")
+        sch.set_scope(copy, 0, "shared.dyn")
+        _, _, vec = lanes_split(sch, copy, 1, threads, vector, step, batch=batch)
+        sch.vectorize(vec)
+        # 3. The statistics over 16-byte chunks, each staged from the copy or the logits.
+        online = sch.get_sblock("row_online")
+        serial, at, _ = lane_steps(sch, sch.get_loops(online)[-1], threads, batch)
+        unroll(sch, serial, step)
+        outputs_to(sch, online, "local")
+        for name in ("chunk_sumexp", "chunk_max", "row_src"):
+            block = sch.get_sblock(name)
+            sch.compute_at(block, at, preserve_unit_loops=True)
+            outputs_to(sch, block, "local")
+        sch.vectorize(sch.get_loops(sch.get_sblock("row_src"))[-1])
+        # 4. The gradient, each vector staged from the copy or the logits, stored whole.
+        dlogits = sch.get_sblock("dlogits")
+        lanes_split(sch, dlogits, 1, threads, vector, step, batch=batch)
+        at = sch.get_loops(dlogits)[-2]  # the batch loop
+        sch.unroll(sch.get_loops(dlogits)[-1])
+        source = sch.get_sblock("map_src")
+        sch.compute_at(source, at, preserve_unit_loops=True)
+        outputs_to(sch, source, "local")
+        sch.vectorize(sch.get_loops(source)[-1])
+        store = sch.cache_write(dlogits, 0, "local")
+        sch.reverse_compute_at(store, at, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(store)[-1])
+        # 1. One row loop, one block per row: the copy, the statistics, the gradient.
+        row = merge_grad_rows(sch, problem, ("row_head", "row_online"))
+        sch.bind(row, "blockIdx.x")
+        # 5. lse and the row loss on thread 0.
+        for name in ("lse", row_loss_name(problem)):
+            single_thread(sch, sch.get_sblock(name), threads)
+        # Kernel 3: the loss.
+        schedule_grad_batch_stage(sch, problem)
+
+
+__all__ = ["CrossEntropyGradHeadInShared", "HeadInSharedKnobs", "head_length"]
