@@ -43,6 +43,8 @@ from typing import Any
 import tvm
 from tvm import tirx
 
+from .compute import PARTITION_LIKELY_ATTR
+
 # The annotation key. ``pragma_`` keys survive TVM's block lowering as an attribute
 # around the loop, where :func:`reverse_marked` finds it.
 KEY = "pragma_tvm_fusion_reversed"
@@ -153,9 +155,10 @@ def tail() -> tvm.transform.Pass:
 def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IRModule:
     """``mod`` through ``pipeline`` (``s_tir``'s) without its :data:`TAIL`, marked loops
     reversed; with loop partition on const loops where a function asks for it (the
-    ``tvm_fusion.partition_likely`` attribute, :data:`tvm_fusion.compute.PARTITION_LIKELY`)."""
+    :data:`~tvm_fusion.compute.PARTITION_LIKELY_ATTR` attribute of the decompositions in
+    :data:`~tvm_fusion.compute.PARTITION_LIKELY`)."""
     config = dict(ctx.config)
-    if any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and f.attrs.get("tvm_fusion.partition_likely")
+    if any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and f.attrs.get(PARTITION_LIKELY_ATTR)
            for f in mod.functions.values()):
         config["s_tir.LoopPartition"] = {"partition_const_loop": True}
     with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),

@@ -171,7 +171,7 @@ def schedule_grad_batch_stage(sch: s_tir.Schedule, problem) -> None:
 
 def grad_map(
     sch: s_tir.Schedule, keep_outer: int, threads, vector, unroll_step, thread_axis: str = "threadIdx.x",
-    staged: str = "logits", block: SBlockRV | None = None, batch: Any = None,
+    staged: str = "logits", block: SBlockRV | None = None, batch: Any = None, source: str | None = None,
 ) -> None:
     """``dlogits`` over the row laid out ``[threadIdx, serial, vector]`` (consecutive
     lanes, consecutive vectors): per step a lane loads ``vector`` logits (from
@@ -182,20 +182,37 @@ def grad_map(
     ``dlogits`` block's random variable where the caller holds one (see
     ``cross_entropy_grad_row_in_shared``), else looked up. ``batch``: the serial loop
     split ``[step, batch]``, a lane's ``batch`` vectors of a step ``threads`` apart and
-    the batch loop unrolled, so that their loads can issue together (:func:`online_chunks`)."""
+    the batch loop unrolled, so that their loads can issue together (:func:`online_chunks`).
+    ``source``: a block that computes the vectors ``dlogits`` reads (``fused_head``'s
+    ``map_src``), staged by moving it into registers instead of a ``cache_read`` of
+    ``staged``; that map's loop is one the build's loop partition splits, and it is not
+    walked backwards (the reversal is untried on a partitioned loop)."""
     block = sch.get_sblock("dlogits") if block is None else block
     _, serial, vec = lanes_split(sch, block, keep_outer, threads, vector, unroll_step, thread_axis, batch)
     at = sch.get_loops(block)[-2]  # the batch loop, or the serial one without a batch
     sch.unroll(vec)
-    stage_in_registers(sch, block, staged, at)
+    if source is None:
+        stage_in_registers(sch, block, staged, at)
+    else:
+        in_registers_at(sch, sch.get_sblock(source), at)
     store = sch.cache_write(block, 0, "local")
     sch.reverse_compute_at(store, at, preserve_unit_loops=True)
     sch.vectorize(sch.get_loops(store)[-1])
-    # From the row's end: the statistics pass read it last, so it is the part still in L2.
-    launch_order.reverse(sch, serial)
+    if source is None:
+        # From the row's end: the statistics pass read it last, so it is the part still in L2.
+        launch_order.reverse(sch, serial)
 
 
-def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str, batch: Any = None) -> None:
+def in_registers_at(sch: s_tir.Schedule, block: SBlockRV, at: LoopRV) -> None:
+    """``block`` (a stage that computes what its readers load) moved under loop ``at``,
+    its output in registers, written with one vector store."""
+    sch.compute_at(block, at, preserve_unit_loops=True)
+    outputs_to(sch, block, "local")
+    sch.vectorize(sch.get_loops(block)[-1])
+
+
+def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str, batch: Any = None,
+                  source: str | None = None) -> None:
     """The online (max, sum of exponentials) of the row the block is bound to: its
     16-byte chunks strided across ``threads`` lanes (``unroll_step`` a step), each
     chunk loaded once into registers and reduced there (``chunk_max``,
@@ -203,26 +220,31 @@ def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str, batch: 
     result lives in ``scope``. ``batch``: a lane takes ``batch`` chunks a step, chunk
     ``((step batch + b) threads + lane)``, the batch loop unrolled so that nvcc can
     issue their loads before the exps of the first (one load in flight a lane is
-    what a rolled loop leaves)."""
+    what a rolled loop leaves). ``source``: :func:`chunks_at`'s."""
     online = sch.get_sblock("row_online")
     serial, at, _ = lane_steps(sch, sch.get_loops(online)[-1], threads, batch)
     unroll(sch, serial, unroll_step)
     outputs_to(sch, online, scope)
-    chunks_at(sch, at)
+    chunks_at(sch, at, source)
 
 
-def chunks_at(sch: s_tir.Schedule, at: LoopRV) -> tuple[SBlockRV, SBlockRV, SBlockRV]:
+def chunks_at(sch: s_tir.Schedule, at: LoopRV, source: str | None = None) -> tuple[SBlockRV, SBlockRV, SBlockRV]:
     """``chunk_sumexp`` and ``chunk_max`` moved under loop ``at`` in registers, the
-    chunk's logits staged there with one vector load. Returns the two blocks and the
-    stage."""
+    chunk's logits staged there with one vector load: a ``cache_read`` of the logits,
+    or ``source``, a block that computes the chunk's values (``fused_head``'s
+    ``row_src``), moved there. Returns the two blocks and the stage."""
     chunk_sum, chunk_max = sch.get_sblock("chunk_sumexp"), sch.get_sblock("chunk_max")
     for block in (chunk_sum, chunk_max):
         sch.compute_at(block, at, preserve_unit_loops=True)
         outputs_to(sch, block, "local")
-    stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, "logits"), "local",
-                           consumer_blocks=[chunk_max, chunk_sum])
-    sch.compute_at(stage, at, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(stage)[-1])
+    if source is None:
+        stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, "logits"), "local",
+                               consumer_blocks=[chunk_max, chunk_sum])
+        sch.compute_at(stage, at, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(stage)[-1])
+    else:
+        stage = sch.get_sblock(source)
+        in_registers_at(sch, stage, at)
     return chunk_sum, chunk_max, stage
 
 

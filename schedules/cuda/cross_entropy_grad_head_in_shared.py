@@ -58,9 +58,10 @@ from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 
-from ..common import coefficients_at, lane_steps, lanes_split, outputs_to, row_loss_name, single_thread, unroll
+from ..common import coefficients_at, lanes_split, row_loss_name, single_thread
 from .common import (
-    VECTOR_BYTES, merge_grad_rows, reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue,
+    grad_map, merge_grad_rows, online_chunks, reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue,
+    widest_vector,
 )
 from .cross_entropy_row_in_shared import ROW_BYTES_MAX
 
@@ -93,11 +94,11 @@ class CrossEntropyGradHeadInShared(Candidate):
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
         # threads x vector x batch divides HEAD_GRAIN for all of these, so the head is
         # a whole number of steps and the loop partition splits at a step.
-        return {"threads": [256, 512, 1024], "vector": [VECTOR_BYTES // DTYPE_BYTES[problem.dtype]],
+        return {"threads": [256, 512, 1024], "vector": [widest_vector(problem.dtype, problem.classes)],
                 "unroll": [1, 4, 16], "batch": [1, 2, 4]}
 
     def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> HeadInSharedKnobs:
-        return HeadInSharedKnobs(vector=VECTOR_BYTES // DTYPE_BYTES[problem.dtype])
+        return HeadInSharedKnobs(vector=widest_vector(problem.dtype, problem.classes))
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         threads, vector, step, batch = knobs.threads, knobs.vector, knobs.unroll, knobs.batch
@@ -114,27 +115,9 @@ class CrossEntropyGradHeadInShared(Candidate):
         _, _, vec = lanes_split(sch, copy, 1, threads, vector, step, batch=batch)
         sch.vectorize(vec)
         # 3. The statistics over 16-byte chunks, each staged from the copy or the logits.
-        online = sch.get_sblock("row_online")
-        serial, at, _ = lane_steps(sch, sch.get_loops(online)[-1], threads, batch)
-        unroll(sch, serial, step)
-        outputs_to(sch, online, "local")
-        for name in ("chunk_sumexp", "chunk_max", "row_src"):
-            block = sch.get_sblock(name)
-            sch.compute_at(block, at, preserve_unit_loops=True)
-            outputs_to(sch, block, "local")
-        sch.vectorize(sch.get_loops(sch.get_sblock("row_src"))[-1])
+        online_chunks(sch, threads, step, "local", batch, source="row_src")
         # 4. The gradient, each vector staged from the copy or the logits, stored whole.
-        dlogits = sch.get_sblock("dlogits")
-        lanes_split(sch, dlogits, 1, threads, vector, step, batch=batch)
-        at = sch.get_loops(dlogits)[-2]  # the batch loop
-        sch.unroll(sch.get_loops(dlogits)[-1])
-        source = sch.get_sblock("map_src")
-        sch.compute_at(source, at, preserve_unit_loops=True)
-        outputs_to(sch, source, "local")
-        sch.vectorize(sch.get_loops(source)[-1])
-        store = sch.cache_write(dlogits, 0, "local")
-        sch.reverse_compute_at(store, at, preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(store)[-1])
+        grad_map(sch, 1, threads, vector, step, batch=batch, source="map_src")
         # 1. One row loop, one block per row: the copy, the statistics, the gradient.
         row = merge_grad_rows(sch, problem, ("row_head", "row_online"))
         sch.bind(row, "blockIdx.x")

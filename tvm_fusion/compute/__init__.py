@@ -66,6 +66,13 @@ def te_tensors(problem: Problem, algorithm: str | None = None) -> list[te.Tensor
     raise TypeError(f"no compute for {problem!r}")
 
 
+# Decompositions whose loops over a row test ``likely(k < H)`` (cross_entropy_grad's
+# fused_head): the build runs TVM's loop partition on const loops for them
+# (launch_order.lowered), which splits such a loop at H, each part without the test.
+PARTITION_LIKELY = ("fused_head",)
+PARTITION_LIKELY_ATTR = "tvm_fusion.partition_likely"
+
+
 def prim_func(problem: Problem, algorithm: str | None = None) -> tirx.PrimFunc:
     """The operator as a TensorIR PrimFunc, tagged with the problem it computes.
 
@@ -84,12 +91,6 @@ def prim_func(problem: Problem, algorithm: str | None = None) -> tirx.PrimFunc:
         attrs[PARTITION_LIKELY_ATTR] = True
     return func.with_attrs(attrs)
 
-
-# Decompositions whose loops over a row test ``likely(k < H)`` (cross_entropy_grad's
-# fused_head): the build runs TVM's loop partition on const loops for them
-# (launch_order.lowered), which splits such a loop at H, each part without the test.
-PARTITION_LIKELY = ("fused_head",)
-PARTITION_LIKELY_ATTR = "tvm_fusion.partition_likely"
 
 
 def problem_to_json(problem: Problem) -> str:

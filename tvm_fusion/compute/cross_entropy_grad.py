@@ -91,6 +91,7 @@ from __future__ import annotations
 
 from tvm import te, tirx
 
+from ..contracts.common import DTYPE_BYTES
 from ..contracts.cross_entropy_grad import CrossEntropyGradProblem
 from .cross_entropy import (
     bad_row_value,
@@ -110,8 +111,8 @@ ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_p
 MODE_OF = {name: "from_lse" if name.startswith("from_lse") else "fused" for name in ALGORITHMS}
 DEFAULT_FOR_MODE = {"fused": "fused", "from_lse": "from_lse"}
 # The forward decomposition whose row statistics each fused decomposition reuses.
-STATISTICS = {"fused": "three_pass", "fused_online": "online", "fused_head": "online", "fused_poly_exp": "three_pass_poly_exp",
-              "fused_padded": "padded_three_pass"}
+STATISTICS = {"fused": "three_pass", "fused_online": "online", "fused_head": "online",
+              "fused_poly_exp": "three_pass_poly_exp", "fused_padded": "padded_three_pass"}
 
 TARGET_SUMS = tuple_reducer(("sum", "min"), name="target_sums")
 F32 = "float32"
@@ -193,7 +194,7 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
             x_map, row_max, row_sumexp, extra = window_statistics(problem, logits, weight, idx)
         elif algorithm == "fused_head":  # the row's head from its copy, the tail from the logits
             row_src, map_src = head_sources(problem, logits, idx)
-            row_max, row_sumexp, extra = row_statistics(problem, row_src, weight, "online", idx)
+            row_max, row_sumexp, extra = row_statistics(problem, row_src, weight, STATISTICS[algorithm], idx)
             x_map = lambda i, k: widen(map_src[i, k], problem.dtype)  # noqa: E731
         else:
             row_max, row_sumexp, extra = row_statistics(problem, logits, weight, STATISTICS[algorithm], idx)
@@ -373,8 +374,7 @@ def head_length(problem) -> int:
     ``HEAD_GRAIN`` values within ``HEAD_BYTES`` that leave a tail. A row of a grain or
     less (no GPU candidate takes one; the decomposition's tests do) keeps all its whole
     16-byte chunks but the last value's; a ValueError for a row of one chunk or less."""
-    from ..contracts.common import DTYPE_BYTES
-    chunk = 16 // DTYPE_BYTES[problem.dtype]
+    chunk = granule(problem.dtype)
     if problem.classes <= chunk:
         raise ValueError(f"cross_entropy_grad: fused_head needs V > {chunk} for {problem.dtype}, "
                          f"got V = {problem.classes}")
@@ -386,7 +386,7 @@ def head_sources(problem, logits: te.Tensor, idx: str) -> tuple[te.Tensor, te.Te
     """``fused_head``'s ``(row_src, map_src)``: the row as the statistics and ``dlogits``
     read it, ``row_head[i, k]`` (the copy of the row's first H values, a schedule keeps
     it in shared memory) for k < H, the logits after. The test is ``likely``, so that
-    the build's loop partition (``LOOP_PARTITION``) splits a loop over the row at H into
+    the build's loop partition (``compute.PARTITION_LIKELY``) splits a loop over the row at H into
     a loop over the copy and one over the logits, each without it; the copy's index is
     ``k mod H``: k where it is read, and inside the copy for the tail's k, so that no
     region a schedule sees reaches past it. Two tensors of one expression: each is
