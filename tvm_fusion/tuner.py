@@ -155,11 +155,9 @@ class PoolBuilder:
         from tvm.support.popen_pool import PopenPoolExecutor
 
         self._pool = PopenPoolExecutor(max_workers=workers, initializer=_import_package)
-        self._pending: list[concurrent.futures.Future] = []
         # Start them now (each imports TVM and this package), not at the first build:
         # a submit while no thread is idle starts another thread, each with its worker.
-        for _ in range(workers):
-            self._pool.submit(int)
+        self._pending: list[concurrent.futures.Future] = [self._pool.submit(int) for _ in range(workers)]
 
     def submit(self, mods: Sequence[Any], target: Target) -> list[Any]:
         config = target.export()
@@ -175,8 +173,11 @@ class PoolBuilder:
             return ms.builder.BuilderResult(None, f"PoolBuilder: {type(err).__name__}: {err}")
 
     def close(self) -> None:
-        for future in self._pending:  # a queued build would start its worker anew
-            future.cancel()
+        # A queued build would start its worker anew: cancel it. One already running
+        # may be starting its worker on a pool thread, and TVM's shutdown kills workers
+        # without waiting for that (a worker killed between its process and its pipes
+        # raised AttributeError '_writer' in CI, a pool closed just after it opened).
+        concurrent.futures.wait([f for f in self._pending if not f.cancel()])
         self._pool.shutdown(wait=True)
 
 
