@@ -409,3 +409,33 @@ def test_a_split_plane_configuration_builds_exactly_where_the_candidate_says(op,
             assert cost_model.launches(problem, candidate, knobs, CUDA) == built
             outcomes.add(built)
     assert outcomes == {True, False}
+
+
+def test_tvm_compiles_a_grid_wide_barrier_for_a_cooperative_launch():
+    """What a grid-wide persistent BatchNorm would stand on (bn_forward_persistent's
+    docstring): TVM 0.27 compiles a kernel marked for a cooperative launch, and
+    ``T.cuda.grid_sync()`` becomes ``cooperative_groups::this_grid().sync()`` between a
+    block's write of its partial and its read of another block's."""
+    import tvm
+    from tvm.script import tirx as T
+
+    @T.prim_func
+    def neighbours(a: T.Buffer((128, 256), "float32"), partial: T.Buffer((128,), "float32"),
+                   b: T.Buffer((128, 256), "float32")):
+        T.func_attr({"tirx.noalias": True, "tirx.kernel_launch_params": ["tirx.use_cooperative_launch"]})
+        bx = T.launch_thread("blockIdx.x", 128)
+        tx = T.launch_thread("threadIdx.x", 256)
+        if tx == 0:
+            partial[bx] = a[bx, 0]
+        T.cuda.grid_sync()
+        b[bx, tx] = a[bx, tx] + partial[(bx + 1) % 128]
+
+    executable = tvm.compile(tvm.IRModule({"main": neighbours}), target=CUDA)
+    source = "\n".join(m.inspect_source() for m in executable.mod.imports)
+    assert "#include <cooperative_groups.h>" in source
+    assert re.search(r"void tvm_builtin_cuda_grid_sync\(\) \{\s*namespace cg = cooperative_groups;\s*"
+                     r"cg::this_grid\(\)\.sync\(\);", source), source
+    body = source[source.rindex("neighbours_kernel("):]  # the definition, after the declaration
+    write, sync, read = (body.index(s) for s in ("partial_ptr[((int)blockIdx.x)] =", "tvm_builtin_cuda_grid_sync();",
+                                                 "partial_ptr[((((int)blockIdx.x) + 1) & 127)]"))
+    assert write < sync < read

@@ -37,7 +37,9 @@ nothing and takes one row as well.
 Not used: a block per channel walking its column (loads strided by C); one kernel
 that keeps each channel group's rows on chip from the statistics to the map (a block
 would own all M rows of its group, C / (lanes * vector) blocks: too few for the SMs
-unless C is large, and TensorIR has no grid-wide barrier for a persistent split).
+unless C is large; split over many blocks with a grid barrier, every row of every
+group would have to stay on chip at once: 64x256x56x56 bf16 is 103 MB, the H200's
+shared memory 30 MB, 132 SMs of 228 KB).
 
 On the H200 (results/benchmarks.csv, 2026-12-01 at 32f74c8): 64x256x56x56 bf16 channels-last
 0.1294 ms, 56% of the copy bandwidth for its three passes; not tuned yet.

@@ -39,14 +39,31 @@ dispatch order and without ``prefers``, it is the default wherever it applies.
 with another decision could not follow), and with registers so are ``threads`` and
 ``vector``, which the layout bakes in; with shared memory the tuner searches both.
 
-Not used: a grid-wide persistent kernel for channels that do not fit (several blocks
-per channel, a grid barrier between the sums and the map): TVM launches no
-cooperative grids and TensorIR has no grid-wide sync. Registers for a channel that
-does not split evenly over the lanes: the layout would need padding, and
-``transform_block_layout`` takes bijective maps only. Static shared memory
-(``shared``): 48 KB a block at most, while ``shared.dyn`` is sized at launch and TVM
-0.27's CUDA runtime raises the kernel's limit (``cuFuncSetAttribute``,
-``MAX_DYNAMIC_SHARED_SIZE_BYTES``) for 48 KB and more, up to the H200's 227 KB.
+Not built yet: a grid-wide persistent kernel for channels that do not fit (several
+blocks per channel, a grid barrier between the sums and the map). Earlier versions of
+this docstring said TVM could not: it can. ``T.cuda.grid_sync()`` emits
+``cooperative_groups::this_grid().sync()`` (tests/test_cuda_codegen.py checks it), and
+a PrimFunc whose ``tirx.kernel_launch_params`` attribute holds
+``tirx.use_cooperative_launch`` compiles; by TVM's source (split_host_device, the CUDA
+module's launch) that tag makes the runtime call ``cuLaunchCooperativeKernel``, not yet
+run on a GPU here. A probe of the schedule: ``rfactor`` over P parts of each channel's
+N, the partial sums' and ``y``'s loops fused to (channel, part) tasks split
+``[blockIdx.x, round]``, then one ``merge`` puts both under one nest, and
+``compute_at`` brings in the coefficients that only ``y`` reads. The per-channel
+outputs cannot follow (``compute_at`` wants every consumer under the loop,
+``reverse_compute_at`` every producer), so such a candidate needs a decomposition that
+combines the partials twice: once per task for the map, once in a small kernel after
+it for the outputs, which also keeps the in-place running-statistics update out of a
+race between a channel's blocks. Predicted, not measured: 64x256x56x56 fp16 at P = 2
+(200 KB of shared memory a block, 128 blocks, 4 rounds, each a 25.7 MB read then
+write) about 0.060 ms against 0.0806 for the two-read pair, 1.2x the forward's floor.
+
+Not used: registers for a channel that does not split evenly over the lanes: the
+layout would need padding, and ``transform_block_layout`` takes bijective maps only.
+Static shared memory (``shared``): 48 KB a block at most, while ``shared.dyn`` is
+sized at launch and TVM 0.27's CUDA runtime raises the kernel's limit
+(``cuFuncSetAttribute``, ``MAX_DYNAMIC_SHARED_SIZE_BYTES``) for 48 KB and more, up to
+the H200's 227 KB.
 
 On the H200 (results/benchmarks.csv, 2026-12-01 at 32f74c8): 256x2048x7x7 fp16 0.0600 ms
 (block per channel 0.0737, split plane 0.0960), 41% of its one-pass floor: the register

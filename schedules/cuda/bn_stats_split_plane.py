@@ -20,8 +20,9 @@ Kernel 2, grid (C,): Stage 2.
    and thread 0 writes mean and var. The shift K[c] = x[0, c, 0] is read where used.
 
 Not used: atomicAdd of the partials into (sum, sumsq) (order-dependent results and a
-zeroing pass); a single persistent kernel with a grid barrier (TensorIR has no
-grid-wide sync).
+zeroing pass); a single persistent kernel with a grid barrier (TVM 0.27 can launch one
+cooperatively, bn_forward_persistent; for the statistics alone it saves a launch, not
+bytes).
 """
 
 from __future__ import annotations
