@@ -25,6 +25,7 @@ from .cuda import (  # noqa: F401
     bn_backward_split_plane_runs,
     bn_forward_block_per_channel,
     bn_forward_channels_last,
+    bn_forward_grid_persistent,
     bn_forward_persistent,
     bn_forward_small_plane,
     bn_forward_split_plane,
@@ -111,6 +112,7 @@ DISPATCH_ORDER = {
     ("bn_forward", "cuda"): [
         "bn_forward_small_plane",
         "bn_forward_persistent",
+        "bn_forward_grid_persistent",
         "bn_forward_channels_last",
         "bn_forward_eval_channels_last",
         "bn_forward_split_plane_runs",

@@ -175,6 +175,32 @@ def test_bn_forward_training_decompositions(algorithm, shape, layout):
         assert_close(got.reshape(want[name].shape), want[name], tol["rtol"], tol["atol"], name)
 
 
+@pytest.mark.parametrize("shape, layout, parts", [((6, 4, 5), "NCHW", 3), ((6, 5, 3, 2), "NHWC", 2)])
+def test_bn_forward_shifted_parts_with_several_parts(monkeypatch, shape, layout, parts):
+    """``shifted_parts`` cut into several parts (a part's byte limit lowered so that
+    these small shapes have them): the partials added up twice give the float64
+    outputs."""
+    from tvm_fusion.compute import bn_stats
+    from tvm_fusion.contracts import bn_forward as ref
+    from tvm_fusion.contracts.bn_forward import bn_forward_problem
+
+    problem = bn_forward_problem(shape, "float32", layout)
+    per_row = problem.count // problem.shape[0] * 4
+    monkeypatch.setattr(bn_stats, "PART_BYTES", problem.shape[0] // parts * per_row)
+    assert bn_stats.parts(problem) == parts
+    gen = rng()
+    x = random_floats(gen, shape, "float32", loc=3.0, scale=2.0)
+    c = problem.channels
+    weight, bias = gen.standard_normal(c).astype("float32"), gen.standard_normal(c).astype("float32")
+    running_mean, running_var = gen.standard_normal(c).astype("float32"), (gen.random(c) + 0.5).astype("float32")
+    outs = run_unscheduled(prim_func(problem, "shifted_parts"),
+                           [x, weight, bias, running_mean, running_var, np.array(0.2, "float32")])
+    want = ref.reference(x, weight, bias, running_mean, running_var, 0.2, problem)
+    tol = TOLERANCES["float32"]
+    for name, got in zip(["y", "save_mean", "save_invstd", "running_mean_out", "running_var_out"], outs):
+        assert_close(got.reshape(want[name].shape), want[name], tol["rtol"], tol["atol"], name)
+
+
 @pytest.mark.parametrize("algorithm", ALGORITHMS["bn_backward"])
 @pytest.mark.parametrize("shape, layout", BN_TRAIN_SHAPES)
 def test_bn_backward_decompositions(algorithm, shape, layout):

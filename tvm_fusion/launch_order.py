@@ -43,6 +43,7 @@ from typing import Any
 import tvm
 from tvm import tirx
 
+from . import grid_barrier
 from .compute import PARTITION_LIKELY_ATTR
 
 # The annotation key. ``pragma_`` keys survive TVM's block lowering as an attribute
@@ -154,7 +155,7 @@ def tail() -> tvm.transform.Pass:
 
 def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IRModule:
     """``mod`` through ``pipeline`` (``s_tir``'s) without its :data:`TAIL`, marked loops
-    reversed; with loop partition on const loops where a function asks for it (the
+    reversed, grid barriers inserted (:mod:`tvm_fusion.grid_barrier`); with loop partition on const loops where a function asks for it (the
     :data:`~tvm_fusion.compute.PARTITION_LIKELY_ATTR` attribute of the decompositions in
     :data:`~tvm_fusion.compute.PARTITION_LIKELY`)."""
     config = dict(ctx.config)
@@ -165,7 +166,7 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
                                    disabled_pass=[*ctx.disabled_pass, *TAIL], config=config,
                                    instruments=list(ctx.instruments)):
         mod = pipeline(mod)
-    return reverse_marked_loops(mod)
+    return grid_barrier.insert_barriers(reverse_marked_loops(mod))
 
 
 def _pipeline(**kwargs):

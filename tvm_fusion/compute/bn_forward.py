@@ -12,6 +12,13 @@ name gives ``mean`` and ``var`` per channel, then
    ``x * bn_scale`` is large and its rounding stays in ``y`` (x = 1000 + 0.02 z in
    float32 put ``y`` 6.5e-3 off), while ``x - mean`` is exact there.
 
+``shifted_parts`` (training): ``shifted``'s sums taken per part of each channel (its
+first axis cut in ``bn_stats.parts``, ``part_moments``), then the parts added up twice,
+for the map's coefficients (``moments_map`` -> ``mean_map``, ``var_map``) and for the
+per-channel outputs (``moments`` -> ``mean``, ``var``): a grid-wide persistent schedule
+computes the first in every block of a channel after its grid barrier and the second
+in a kernel after it (``bn_forward_grid_persistent``).
+
 ``running`` (eval): the same map, ``mean`` and ``var`` read from the running
 statistics (no reduction).
 
@@ -23,10 +30,10 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from ..contracts.bn_forward import BNForwardProblem
-from .bn_stats import statistics
+from .bn_stats import combine_parts, part_statistics, statistics
 from .primitives import dims, index_dtype, widen
 
-ALGORITHMS = ("shifted", "shifted_sampled", "running")
+ALGORITHMS = ("shifted", "shifted_sampled", "shifted_parts", "running")
 F32 = "float32"
 
 
@@ -40,7 +47,7 @@ def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> li
     (training: "shifted" by default; eval: "running")."""
     algorithm = algorithm or default_algorithm(problem)
     if algorithm not in ALGORITHMS or (algorithm == "running") == problem.training:
-        wanted = "shifted or shifted_sampled" if problem.training else "running"
+        wanted = "shifted, shifted_sampled or shifted_parts" if problem.training else "running"
         raise ValueError(f"bn_forward: {'training' if problem.training else 'eval'} takes algorithm {wanted}, "
                          f"got {algorithm!r}")
     idx = index_dtype(problem.numel)
@@ -60,20 +67,26 @@ def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> li
         momentum = te.placeholder([], F32, name="momentum")
         params.append(momentum)
 
-    if problem.training:
+    if algorithm == "shifted_parts":
+        shift, total, total_sq = part_statistics(problem, x)
+        mean, var = combine_parts(problem, shift, total, total_sq)
+        map_mean, map_var = combine_parts(problem, shift, total, total_sq, suffix="_map")
+    elif problem.training:
         mean, var = statistics(problem, x, algorithm)
     else:
         mean, var = running_mean, running_var
+    if algorithm != "shifted_parts":
+        map_mean, map_var = mean, var
     eps = tirx.const(problem.eps, F32)
     save_mean = te.compute(channels, lambda c: mean[c], name="save_mean")
     save_invstd = te.compute(channels, lambda c: tirx.rsqrt(var[c] + eps), name="save_invstd")
 
     def scale_value(c):
-        invstd = tirx.rsqrt(var[c] + eps)
+        invstd = tirx.rsqrt(map_var[c] + eps)
         return invstd * weight[c] if weight is not None else invstd
 
     scale = te.compute(channels, scale_value, name="bn_scale")
-    shift = te.compute(channels, lambda c: mean[c], name="bn_shift")
+    shift = te.compute(channels, lambda c: map_mean[c], name="bn_shift")
 
     def y_body(*index):
         c = index[-1] if problem.channels_last else index[1]

@@ -31,6 +31,7 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from ..contracts.bn_stats import BNStatsProblem
+from ..contracts.common import DTYPE_BYTES
 from .primitives import DUAL_SUM, dims, granule, index_dtype, widen
 
 ALGORITHMS = ("shifted", "shifted_sampled", "one_pass", "padded_shifted")
@@ -148,9 +149,10 @@ def statistics(problem, x: te.Tensor, algorithm: str) -> tuple[te.Tensor, te.Ten
     return finalize(problem, shift, total, total_sq)
 
 
-def finalize(problem, shift: te.Tensor | None, total: te.Tensor, total_sq: te.Tensor) -> tuple[te.Tensor, te.Tensor]:
+def finalize(problem, shift: te.Tensor | None, total: te.Tensor, total_sq: te.Tensor,
+             suffix: str = "") -> tuple[te.Tensor, te.Tensor]:
     """``(mean, var)`` from a channel's sums of ``d = x - shift`` (of x where ``shift``
-    is None) and of ``d^2``."""
+    is None) and of ``d^2``; ``suffix`` ends the blocks' names."""
     channels = [total.shape[0]]
     count = float(problem.count)
 
@@ -164,6 +166,56 @@ def finalize(problem, shift: te.Tensor | None, total: te.Tensor, total_sq: te.Te
         # Clamp rounding below zero, but let NaN through (max(NaN, 0) would hide it).
         return tirx.Select(var < 0.0, tirx.const(0.0, "float32"), var)
 
-    mean = te.compute(channels, mean_body, name="mean")
-    var = te.compute(channels, var_body, name="var")
+    mean = te.compute(channels, mean_body, name="mean" + suffix)
+    var = te.compute(channels, var_body, name="var" + suffix)
     return mean, var
+
+
+# A part's bytes at most in ``parts`` (the shared memory a block of a grid-wide
+# persistent kernel keeps it in: one block an SM of the H200's 227 KB).
+PART_BYTES = 200 * 1024
+
+
+def parts(problem) -> int:
+    """How many parts ``part_statistics`` cuts each channel into along the first axis
+    (N, or M channels-last): the fewest that divide it with a part of at most
+    ``PART_BYTES``, else one row of it a part."""
+    rows, per_row = problem.shape[0], problem.count // problem.shape[0] * DTYPE_BYTES[problem.dtype]
+    return next((p for p in range(1, rows + 1) if rows % p == 0 and rows // p * per_row <= PART_BYTES), rows)
+
+
+def part_statistics(problem, x: te.Tensor) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
+    """``shift`` and the ``part_moments`` (sums of ``d = x - shift`` and ``d^2``) of
+    each of a channel's :func:`parts`, shape ``(parts, channels)``: the first stage of
+    ``shifted_parts``, whose partials :func:`combine_parts` adds up."""
+    idx = index_dtype(problem.numel)
+    count, rows = parts(problem), problem.shape[0]
+    per = rows // count
+    zero = tirx.IntImm(idx, 0)
+    r = te.reduce_axis((zero, tirx.IntImm(idx, per)), name="r")
+    if problem.channels_last:
+        shift = te.compute(dims([problem.channels], idx), lambda c: widen(x[zero, c], problem.dtype), name="shift")
+        axes, value = [r], lambda p, c: widen(x[p * per + r, c], problem.dtype)
+    else:
+        l = te.reduce_axis((zero, x.shape[2]), name="l")
+        shift = te.compute(dims([problem.channels], idx), lambda c: widen(x[zero, c, zero], problem.dtype),
+                           name="shift")
+        axes, value = [r, l], lambda p, c: widen(x[p * per + r, c, l], problem.dtype)
+
+    def body(p, c):
+        d = value(p, c) - shift[c]
+        return DUAL_SUM((d, d * d), axis=axes)
+
+    total, total_sq = te.compute(dims([count, problem.channels], idx), body, name="part_moments")
+    return shift, total, total_sq
+
+
+def combine_parts(problem, shift: te.Tensor, total: te.Tensor, total_sq: te.Tensor,
+                  suffix: str = "") -> tuple[te.Tensor, te.Tensor]:
+    """``(mean, var)`` per channel from :func:`part_statistics`' partials: their sums
+    (block ``moments`` + ``suffix``), then :func:`finalize`."""
+    idx = index_dtype(problem.numel)
+    k = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, parts(problem))), name="k")
+    sums = te.compute([total.shape[1]], lambda c: DUAL_SUM((total[k, c], total_sq[k, c]), axis=k),
+                      name="moments" + suffix)
+    return finalize(problem, shift, *sums, suffix=suffix)

@@ -1,0 +1,152 @@
+"""bn_forward_grid_persistent: BatchNorm's training forward as one cooperative kernel.
+
+Where it applies (channels past one block's shared memory, cut in parts of at most
+200 KB), that its grid is a multiple of the parts that divides the tasks, what its
+CUDA code must show (the grid barrier between the partial sums' stores and the
+combine's loads, every block meeting it; x copied with 16-byte loads; the cooperative
+launch tag on the kernel), that its tuning space replays, and on a GPU that every
+knob sample computes the float64 reference (|mean| >> std included) with outputs
+poisoned before the run."""
+
+import re
+
+import pytest
+import tvm
+
+from helpers import check_threads_decisions_replay, needs_nvcc, on_gpu, rng, run_poisoned
+from test_bn_forward import check, inputs, kernel_args
+from tvm_fusion import grid_barrier, launch_order, registry, targets
+from tvm_fusion.compute import bn_stats, prim_func
+from tvm_fusion.contracts.bn_forward import bn_forward_problem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.kernel import build_kernel, compiled_form
+from tvm_fusion.schedules.cuda.bn_forward_grid_persistent import grid_choices
+
+CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
+NAME = "bn_forward_grid_persistent"
+CANDIDATE = registry.get(NAME)
+
+
+def problem(shape, dtype, affine=True, track_running=True, training=True, layout="NCHW"):
+    return bn_forward_problem(shape, dtype, layout, affine, training, track_running)
+
+
+# (shape, dtype, parts): the ResNet layer of the issue's table (401 KB a channel),
+# 802 KB channels at two dtypes, an fp32 channel of 230 KB, and odd 15x15 planes
+# (scalar loads, a guarded last step).
+APPLIES = [((64, 256, 56, 56), "float16", 2), ((32, 64, 112, 112), "bfloat16", 4),
+           ((64, 256, 56, 56), "float32", 4), ((16, 8, 60, 60), "float32", 2), ((1024, 3, 15, 15), "float16", 4)]
+
+
+@pytest.mark.parametrize("shape, dtype, parts", APPLIES)
+def test_applies_in_parts_and_its_grid_divides_the_tasks(shape, dtype, parts):
+    p = problem(shape, dtype)
+    assert CANDIDATE.applies(p) and bn_stats.parts(p) == parts
+    grids = grid_choices(p, CUDA)
+    assert grids and all(g % parts == 0 and parts * p.channels % g == 0 and g <= targets.sm_count(CUDA)
+                         for g in grids)
+    assert CANDIDATE.default_for(p, CUDA).grid == max(grids)
+    assert not CANDIDATE.prefers(p, CUDA)  # unmeasured: tuner-only
+
+
+@pytest.mark.parametrize("p, why", [
+    (problem((256, 2048, 7, 7), "float16"), "25 KB a channel: one part (bn_forward_persistent)"),
+    (problem((64, 256, 56, 56), "float16", training=False), "eval keeps no statistics"),
+    (problem((64, 56, 56, 256), "float16", layout="NHWC"), "channels last"),
+    (problem((1, 4, 512, 512), "float32"), "one image of 1 MB a channel: no part under 200 KB"),
+], ids=lambda v: v if isinstance(v, str) else v.key())
+def test_does_not_apply(p, why):
+    assert not CANDIDATE.applies(p), why
+
+
+def kernel_bodies(source: str) -> list[str]:
+    return re.split(r'extern "C" __global__', source)[-2:]  # the definitions
+
+
+@pytest.mark.parametrize("shape, dtype, parts", APPLIES)
+def test_cuda_source_has_the_barrier_between_the_partials_and_their_combine(shape, dtype, parts):
+    p = problem(shape, dtype)
+    kernel = build_kernel(p, CUDA, NAME)
+    persistent, outputs = kernel_bodies(kernel.device_source())
+    # One barrier, in the round loop, unguarded: after the partials' stores, before their loads.
+    assert persistent.count("tvm_builtin_cuda_grid_sync();") == 1 and "grid_sync" not in outputs
+    at = persistent.index("tvm_builtin_cuda_grid_sync();")
+    stored = [m.start() for m in re.finditer(r"\bpart_moments_v[01]_ptr\[[^\]]*\] =", persistent)]
+    loaded = [m.start() for m in re.finditer(r"= \([^;]*\bpart_moments_v[01]_ptr\[", persistent)]
+    assert stored and loaded and max(stored) < at < min(loaded)
+    round_loop = re.search(r"for \(int (c_p_fused_0_m) = 0; \1 < (\d+);", persistent)
+    rounds = int(round_loop.group(2)) if round_loop else 1  # one round: no loop
+    assert rounds * kernel.knobs.grid == parts * p.channels
+    depth = persistent[:at].count("{") - persistent[:at].count("}")
+    assert depth == (2 if round_loop else 1), "the barrier sits in the round loop alone, under no condition"
+    # x comes in once, through the shared copy, 16 bytes a load where the vector allows.
+    assert persistent.count("x_shared_dyn_ptr[") >= 3
+    if kernel.knobs.vector * DTYPE_BYTES[dtype] == 16:
+        assert re.search(r"x_shared_dyn_ptr\[[^\]]*\] = \*\((uint4|float4)\*\)\(x_ptr", persistent)
+    # The per-channel outputs come from the second kernel, once a channel.
+    assert "running_mean_out_ptr" not in persistent and "save_mean_ptr" not in persistent
+
+
+def test_the_function_is_tagged_for_a_cooperative_launch_only_where_a_loop_is_marked():
+    """``launch_order``'s pipeline inserts the barrier and tags the function with
+    ``tirx.use_cooperative_launch`` (TVM's host/device split copies a function's
+    ``tirx.kernel_launch_params`` onto its kernels); a function with no mark keeps
+    plain launches (bn_forward_block_per_channel's)."""
+    p = problem((64, 256, 56, 56), "float16")
+    pipeline, _, _ = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE)
+    for name, marked in ((NAME, True), ("bn_forward_block_per_channel", False)):
+        mod = compiled_form(build_kernel(p, CUDA, name).mod, p)
+        with CUDA:
+            lowered = pipeline(tvm.IRModule({g: f.with_attr("target", CUDA) for g, f in mod.functions.items()}))
+        tags = [str(t) for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)
+                for t in (f.attrs.get(grid_barrier.LAUNCH_PARAMS, []) if f.attrs is not None else [])]
+        assert (grid_barrier.COOPERATIVE in tags) == marked, (name, tags)
+        assert ("cuda.grid_sync" in "".join(f.script() for f in lowered.functions.values())) == marked
+
+
+def test_a_barrier_under_a_condition_is_refused():
+    bx, tx = tvm.tirx.Var("bx", "int32"), tvm.tirx.Var("tx", "int32")
+    marked = tvm.tirx.AttrStmt(0, grid_barrier.KEY, 1, tvm.tirx.Evaluate(0))
+    func = tvm.tirx.PrimFunc([], tvm.tirx.IfThenElse(tx < 1, marked, None))
+    with pytest.raises(ValueError, match="under a condition"):
+        grid_barrier.with_barriers(func)
+    assert grid_barrier.COOPERATIVE in grid_barrier.with_barriers(tvm.tirx.PrimFunc([], marked)).attrs[
+        grid_barrier.LAUNCH_PARAMS]
+
+
+@needs_nvcc
+def test_cuda_kernels_compile_without_spills():
+    from tvm_fusion.codegen import cuda_report
+
+    report = cuda_report(build_kernel(problem((64, 256, 56, 56), "float16"), CUDA, NAME))
+    assert len(report.kernels) == 2 and not any(report.spill_bytes.values()), report
+    assert report.vector_loads > 0 and report.shuffles > 0, report
+
+
+def test_tuning_space_replays_with_every_decision():
+    check_threads_decisions_replay(CANDIDATE, problem((16, 8, 60, 60), "float32"), CUDA)
+
+
+def configs(p):
+    cand, default = CANDIDATE, CANDIDATE.default_for(p, CUDA)
+    space = cand.all_configs(p, CUDA)
+    smallest = min((k for k in space if k.threads == 256), key=lambda k: k.grid)
+    return list(dict.fromkeys([default, smallest, space[len(space) // 2]]))
+
+
+# -- on a GPU ----------------------------------------------------------------------------
+GPU_CASES = [((64, 256, 56, 56), "float16", (True, True)), ((32, 64, 112, 112), "bfloat16", (False, True)),
+             ((16, 8, 60, 60), "float32", (True, False)), ((1024, 3, 15, 15), "float16", (False, False))]
+
+
+@on_gpu
+@pytest.mark.parametrize("shape, dtype, mode", GPU_CASES)
+def test_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, mode):
+    p = problem(shape, dtype, *mode)
+    gen = rng()
+    for knobs in configs(p):
+        kernel = build_kernel(p, targets.resolve("cuda"), NAME, knobs)
+        for loc, scale in ((0.0, 2.0), (1000.0, 1.0)):  # |mean| >> std too
+            data = inputs(gen, p, loc=loc, scale=scale)
+            outs = run_poisoned(kernel, kernel_args(p, *data), tvm.cuda(0))
+            check(kernel, outs, p, *data, what=f"{NAME} {knobs} mean {loc}")
