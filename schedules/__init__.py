@@ -19,6 +19,7 @@ from .cuda import (  # noqa: F401
     bn_backward_channels_last,
     bn_backward_dx_block_per_channel,
     bn_backward_dx_channels_last,
+    bn_backward_grid_persistent,
     bn_backward_persistent,
     bn_backward_small_plane,
     bn_backward_split_plane,
@@ -99,6 +100,7 @@ DISPATCH_ORDER = {
     ("bn_backward", "cuda"): [
         "bn_backward_small_plane",
         "bn_backward_persistent",
+        "bn_backward_grid_persistent",
         "bn_backward_channels_last",
         "bn_backward_split_plane_runs",
         "bn_backward_split_plane",

@@ -1,4 +1,5 @@
-"""bn_forward_grid_persistent: BatchNorm's training forward as one cooperative kernel.
+"""bn_forward_grid_persistent and bn_backward_grid_persistent: BatchNorm's training
+forward and backward, each as one cooperative kernel.
 
 Where it applies (channels past one block's shared memory, cut in parts of at most
 200 KB), that its grid is a multiple of the parts that divides the tasks, what its
@@ -20,6 +21,8 @@ from tvm_fusion.compute import bn_stats, prim_func
 from tvm_fusion.contracts.bn_forward import bn_forward_problem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.kernel import build_kernel, compiled_form
+from tvm_fusion.contracts.bn_backward import bn_backward_problem
+from tvm_fusion.schedules.cuda import bn_backward_grid_persistent as backward
 from tvm_fusion.schedules.cuda.bn_forward_grid_persistent import grid_choices
 
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
@@ -150,3 +153,76 @@ def test_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, mode):
             data = inputs(gen, p, loc=loc, scale=scale)
             outs = run_poisoned(kernel, kernel_args(p, *data), tvm.cuda(0))
             check(kernel, outs, p, *data, what=f"{NAME} {knobs} mean {loc}")
+
+
+# -- the backward: x and dy in shared memory, dx from them ------------------------------
+BACKWARD = registry.get("bn_backward_grid_persistent")
+# (shape, dtype, parts): the same channels, x and dy together in at most 200 KB a part.
+BACKWARD_APPLIES = [((64, 256, 56, 56), "float16", 4), ((32, 64, 112, 112), "bfloat16", 8),
+                    ((16, 8, 60, 60), "float32", 4), ((1024, 3, 15, 15), "float16", 8)]
+
+
+def backward_problem(shape, dtype, affine=True, training=True, layout="NCHW"):
+    return bn_backward_problem(shape, dtype, layout, affine, training)
+
+
+@pytest.mark.parametrize("shape, dtype, parts", BACKWARD_APPLIES)
+def test_backward_applies_in_parts_and_its_grid_divides_the_tasks(shape, dtype, parts):
+    p = backward_problem(shape, dtype)
+    assert BACKWARD.applies(p) and bn_stats.parts(p, copies=2) == parts
+    grids = backward.grid_choices(p, CUDA)
+    assert grids and all(g % parts == 0 and parts * p.channels % g == 0 for g in grids)
+    assert BACKWARD.default_for(p, CUDA).grid == max(grids) and not BACKWARD.prefers(p, CUDA)
+    assert not BACKWARD.applies(backward_problem(shape, dtype, training=False))
+
+
+@pytest.mark.parametrize("shape, dtype, parts", BACKWARD_APPLIES)
+def test_backward_cuda_source_has_the_barrier_between_the_partials_and_their_combine(shape, dtype, parts):
+    p = backward_problem(shape, dtype)
+    kernel = build_kernel(p, CUDA, BACKWARD.name)
+    persistent, outputs = kernel_bodies(kernel.device_source())
+    assert persistent.count("tvm_builtin_cuda_grid_sync();") == 1 and "grid_sync" not in outputs
+    at = persistent.index("tvm_builtin_cuda_grid_sync();")
+    stored = [m.start() for m in re.finditer(r"\bpart_grad_sums_v[01]_ptr\[[^\]]*\] =", persistent)]
+    loaded = [m.start() for m in re.finditer(r"= \([^;]*\bpart_grad_sums_v[01]_ptr\[", persistent)]
+    assert stored and loaded and max(stored) < at < min(loaded)
+    round_loop = re.search(r"for \(int (c_p_fused_0_m) = 0; \1 < (\d+);", persistent)
+    assert (int(round_loop.group(2)) if round_loop else 1) * kernel.knobs.grid == parts * p.channels
+    assert persistent[:at].count("{") - persistent[:at].count("}") == (2 if round_loop else 1)
+    # dx reads x and dy from the copies only: neither is loaded from global memory after the barrier.
+    assert not re.search(r"\b(x|dy)_ptr\b", persistent[at:])
+    assert "dweight_ptr" not in persistent and "dbias_ptr" not in persistent
+
+
+@needs_nvcc
+def test_backward_kernels_compile_without_spills():
+    from tvm_fusion.codegen import cuda_report
+
+    report = cuda_report(build_kernel(backward_problem((64, 256, 56, 56), "float16"), CUDA, BACKWARD.name))
+    assert len(report.kernels) == 2 and not any(report.spill_bytes.values()), report
+    assert report.vector_loads > 0 and report.shuffles > 0, report
+
+
+def test_backward_tuning_space_replays_with_every_decision():
+    check_threads_decisions_replay(BACKWARD, backward_problem((16, 8, 60, 60), "float32"), CUDA)
+
+
+BACKWARD_GPU_CASES = [((64, 256, 56, 56), "float16", True), ((32, 64, 112, 112), "bfloat16", False),
+                      ((16, 8, 60, 60), "float32", True), ((1024, 3, 15, 15), "float16", False)]
+
+
+@on_gpu
+@pytest.mark.parametrize("shape, dtype, affine", BACKWARD_GPU_CASES)
+def test_backward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, affine):
+    import test_bn_backward as ref
+
+    p = backward_problem(shape, dtype, affine)
+    gen = rng()
+    default = BACKWARD.default_for(p, CUDA)
+    space = BACKWARD.all_configs(p, CUDA)
+    smallest = min((k for k in space if k.threads == 256), key=lambda k: k.grid)
+    for knobs in dict.fromkeys([default, smallest, space[len(space) // 2]]):
+        kernel = build_kernel(p, targets.resolve("cuda"), BACKWARD.name, knobs)
+        x, dy, mean, invstd, weight = ref.inputs(gen, p, p.dtype, shift=3.0)
+        outs = run_poisoned(kernel, ref.kernel_args(p, x, dy, mean, invstd, weight), tvm.cuda(0))
+        ref.check(outs, x, dy, mean, invstd, weight, p, f"{BACKWARD.name} {knobs}")

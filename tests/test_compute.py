@@ -219,3 +219,28 @@ def test_bn_backward_decompositions(algorithm, shape, layout):
     tol = TOLERANCES["float32"]
     for name, got, expected in zip(("dx", "dweight", "dbias"), (dx, dweight, dbias), want):
         assert_close(got.reshape(expected.shape), expected, tol["rtol"], tol["atol"], name)
+
+
+@pytest.mark.parametrize("shape, layout, parts", [((6, 4, 5), "NCHW", 3), ((6, 5, 3, 2), "NHWC", 2)])
+def test_bn_backward_dual_reduce_parts_with_several_parts(monkeypatch, shape, layout, parts):
+    """``dual_reduce_parts`` cut into several parts (a part's byte limit lowered so that
+    these small shapes have them): the partials added up twice give the float64
+    gradients."""
+    from tvm_fusion.compute import bn_stats
+    from tvm_fusion.contracts import bn_backward as ref
+    from tvm_fusion.contracts.bn_backward import bn_backward_problem
+
+    problem = bn_backward_problem(shape, "float32", layout, True, True)
+    per_row = 2 * problem.count // problem.shape[0] * 4  # x and dy
+    monkeypatch.setattr(bn_stats, "PART_BYTES", problem.shape[0] // parts * per_row)
+    assert bn_stats.parts(problem, copies=2) == parts
+    gen = rng()
+    x, dy = random_floats(gen, shape, "float32", loc=0.5, scale=2.0), random_floats(gen, shape, "float32")
+    c = problem.channels
+    mean, invstd = gen.standard_normal(c).astype("float32"), (gen.random(c) + 0.5).astype("float32")
+    weight = gen.standard_normal(c).astype("float32")
+    got = run_unscheduled(prim_func(problem, "dual_reduce_parts"), [x, dy, mean, invstd, weight])
+    want = ref.reference(x, dy, mean, invstd, weight, layout, True)
+    tol = TOLERANCES["float32"]
+    for name, value, expected in zip(("dx", "dweight", "dbias"), got, want):
+        assert_close(value.reshape(expected.shape), expected, tol["rtol"], tol["atol"], name)

@@ -13,6 +13,13 @@
 4. ``dx``: the map ``scale * (dy - mean_term - xhat * xhat_term)``, in x's dtype
    (a second read of x and dy, unless a schedule keeps them on chip).
 
+``dual_reduce_parts``  the same sums per part of each channel (its first axis cut in
+``bn_stats.parts`` for x and dy together, ``part_grad_sums``), added up twice: for the
+map's coefficients (``grad_sums_map``) and for ``dbias`` and ``dweight``
+(``grad_sums``): a grid-wide persistent schedule computes the first in every block of a
+channel after its grid barrier, the second in a kernel after it
+(``bn_backward_grid_persistent``).
+
 Block names are what schedules refer to.
 """
 
@@ -21,9 +28,10 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from ..contracts.bn_backward import BNBackwardProblem
+from .bn_stats import parts
 from .primitives import DUAL_SUM, dims, index_dtype, widen
 
-ALGORITHMS = ("dual_reduce",)
+ALGORITHMS = ("dual_reduce", "dual_reduce_parts")
 F32 = "float32"
 
 
@@ -80,14 +88,36 @@ def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -
         xhat = (widen(x[at(c)], problem.dtype) - mean[c]) * invstd[c]
         return DUAL_SUM((g, g * xhat), axis=axes)
 
-    sum_dy, sum_dy_xhat = te.compute(channels, sums_body, name="grad_sums")
+    if algorithm == "dual_reduce_parts":
+        count_parts = parts(problem, copies=2)
+        per = problem.shape[0] // count_parts
+        r = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, per)), name="r")
+
+        def part_body(p, c):
+            index = (p * per + r, c) if problem.channels_last else (p * per + r, c, axes[1])
+            g = widen(dy[index], problem.dtype)
+            xhat = (widen(x[index], problem.dtype) - mean[c]) * invstd[c]
+            return DUAL_SUM((g, g * xhat), axis=[r] + axes[1:])
+
+        part_dy, part_dy_xhat = te.compute(dims([count_parts, problem.channels], idx), part_body,
+                                           name="part_grad_sums")
+
+        def combined(name):
+            k = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, count_parts)), name="k")
+            return te.compute(channels, lambda c: DUAL_SUM((part_dy[k, c], part_dy_xhat[k, c]), axis=k), name=name)
+
+        sum_dy, sum_dy_xhat = combined("grad_sums")
+        map_dy, map_dy_xhat = combined("grad_sums_map")
+    else:
+        sum_dy, sum_dy_xhat = te.compute(channels, sums_body, name="grad_sums")
+        map_dy, map_dy_xhat = sum_dy, sum_dy_xhat
     dbias = te.compute(channels, lambda c: sum_dy[c], name="dbias")
     dweight = te.compute(channels, lambda c: sum_dy_xhat[c], name="dweight")
     scale = te.compute(channels, lambda c: invstd[c] * weight[c] if weight is not None else invstd[c],
                        name="bn_dx_scale")
     if problem.training:
-        mean_term = te.compute(channels, lambda c: sum_dy[c] / count, name="bn_dx_mean")
-        xhat_term = te.compute(channels, lambda c: sum_dy_xhat[c] / count, name="bn_dx_xhat")
+        mean_term = te.compute(channels, lambda c: map_dy[c] / count, name="bn_dx_mean")
+        xhat_term = te.compute(channels, lambda c: map_dy_xhat[c] / count, name="bn_dx_xhat")
 
     def dx_body(*index):
         c = channel_of(*index)

@@ -176,11 +176,12 @@ def finalize(problem, shift: te.Tensor | None, total: te.Tensor, total_sq: te.Te
 PART_BYTES = 200 * 1024
 
 
-def parts(problem) -> int:
-    """How many parts ``part_statistics`` cuts each channel into along the first axis
-    (N, or M channels-last): the fewest that divide it with a part of at most
-    ``PART_BYTES``, else one row of it a part."""
-    rows, per_row = problem.shape[0], problem.count // problem.shape[0] * DTYPE_BYTES[problem.dtype]
+def parts(problem, copies: int = 1) -> int:
+    """How many parts ``part_statistics`` (and the backward's ``dual_reduce_parts``)
+    cut each channel into along the first axis (N, or M channels-last): the fewest that
+    divide it with ``copies`` tensors' parts in at most ``PART_BYTES``, else one row of
+    it a part."""
+    rows, per_row = problem.shape[0], copies * problem.count // problem.shape[0] * DTYPE_BYTES[problem.dtype]
     return next((p for p in range(1, rows + 1) if rows % p == 0 and rows // p * per_row <= PART_BYTES), rows)
 
 
