@@ -17,7 +17,7 @@ import tvm
 from helpers import check_threads_decisions_replay, needs_nvcc, on_gpu, rng, run_poisoned
 from test_bn_forward import check, inputs, kernel_args
 from tvm_fusion import grid_barrier, launch_order, registry, targets
-from tvm_fusion.compute import bn_stats, prim_func
+from tvm_fusion.compute import bn_stats
 from tvm_fusion.contracts.bn_forward import bn_forward_problem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.kernel import build_kernel, compiled_form
@@ -66,22 +66,29 @@ def kernel_bodies(source: str) -> list[str]:
     return re.split(r'extern "C" __global__', source)[-2:]  # the definitions
 
 
-@pytest.mark.parametrize("shape, dtype, parts", APPLIES)
-def test_cuda_source_has_the_barrier_between_the_partials_and_their_combine(shape, dtype, parts):
-    p = problem(shape, dtype)
-    kernel = build_kernel(p, CUDA, NAME)
+def check_barrier(kernel, partials: str, parts: int) -> tuple[str, int]:
+    """One barrier in the persistent kernel, none in the outputs' one; in the round loop
+    alone (no condition around it), after the ``partials`` stores and before their
+    loads; rounds times the grid is the tasks. Returns the persistent kernel's source
+    and the barrier's place in it."""
     persistent, outputs = kernel_bodies(kernel.device_source())
-    # One barrier, in the round loop, unguarded: after the partials' stores, before their loads.
     assert persistent.count("tvm_builtin_cuda_grid_sync();") == 1 and "grid_sync" not in outputs
     at = persistent.index("tvm_builtin_cuda_grid_sync();")
-    stored = [m.start() for m in re.finditer(r"\bpart_moments_v[01]_ptr\[[^\]]*\] =", persistent)]
-    loaded = [m.start() for m in re.finditer(r"= \([^;]*\bpart_moments_v[01]_ptr\[", persistent)]
+    stored = [m.start() for m in re.finditer(rf"\b{partials}_v[01]_ptr\[[^\]]*\] =", persistent)]
+    loaded = [m.start() for m in re.finditer(rf"= \([^;]*\b{partials}_v[01]_ptr\[", persistent)]
     assert stored and loaded and max(stored) < at < min(loaded)
     round_loop = re.search(r"for \(int (c_p_fused_0_m) = 0; \1 < (\d+);", persistent)
     rounds = int(round_loop.group(2)) if round_loop else 1  # one round: no loop
-    assert rounds * kernel.knobs.grid == parts * p.channels
+    assert rounds * kernel.knobs.grid == parts * kernel.problem.channels
     depth = persistent[:at].count("{") - persistent[:at].count("}")
     assert depth == (2 if round_loop else 1), "the barrier sits in the round loop alone, under no condition"
+    return persistent, at
+
+
+@pytest.mark.parametrize("shape, dtype, parts", APPLIES)
+def test_cuda_source_has_the_barrier_between_the_partials_and_their_combine(shape, dtype, parts):
+    kernel = build_kernel(problem(shape, dtype), CUDA, NAME)
+    persistent, _ = check_barrier(kernel, "part_moments", parts)
     # x comes in once, through the shared copy, 16 bytes a load where the vector allows.
     assert persistent.count("x_shared_dyn_ptr[") >= 3
     if kernel.knobs.vector * DTYPE_BYTES[dtype] == 16:
@@ -170,7 +177,7 @@ def backward_problem(shape, dtype, affine=True, training=True, layout="NCHW"):
 def test_backward_applies_in_parts_and_its_grid_divides_the_tasks(shape, dtype, parts):
     p = backward_problem(shape, dtype)
     assert BACKWARD.applies(p) and bn_stats.parts(p, copies=2) == parts
-    grids = backward.grid_choices(p, CUDA)
+    grids = backward.grid_choices(p, CUDA, backward.COPIES)
     assert grids and all(g % parts == 0 and parts * p.channels % g == 0 for g in grids)
     assert BACKWARD.default_for(p, CUDA).grid == max(grids) and not BACKWARD.prefers(p, CUDA)
     assert not BACKWARD.applies(backward_problem(shape, dtype, training=False))
@@ -178,17 +185,8 @@ def test_backward_applies_in_parts_and_its_grid_divides_the_tasks(shape, dtype, 
 
 @pytest.mark.parametrize("shape, dtype, parts", BACKWARD_APPLIES)
 def test_backward_cuda_source_has_the_barrier_between_the_partials_and_their_combine(shape, dtype, parts):
-    p = backward_problem(shape, dtype)
-    kernel = build_kernel(p, CUDA, BACKWARD.name)
-    persistent, outputs = kernel_bodies(kernel.device_source())
-    assert persistent.count("tvm_builtin_cuda_grid_sync();") == 1 and "grid_sync" not in outputs
-    at = persistent.index("tvm_builtin_cuda_grid_sync();")
-    stored = [m.start() for m in re.finditer(r"\bpart_grad_sums_v[01]_ptr\[[^\]]*\] =", persistent)]
-    loaded = [m.start() for m in re.finditer(r"= \([^;]*\bpart_grad_sums_v[01]_ptr\[", persistent)]
-    assert stored and loaded and max(stored) < at < min(loaded)
-    round_loop = re.search(r"for \(int (c_p_fused_0_m) = 0; \1 < (\d+);", persistent)
-    assert (int(round_loop.group(2)) if round_loop else 1) * kernel.knobs.grid == parts * p.channels
-    assert persistent[:at].count("{") - persistent[:at].count("}") == (2 if round_loop else 1)
+    kernel = build_kernel(backward_problem(shape, dtype), CUDA, BACKWARD.name)
+    persistent, at = check_barrier(kernel, "part_grad_sums", parts)
     # dx reads x and dy from the copies only: neither is loaded from global memory after the barrier.
     assert not re.search(r"\b(x|dy)_ptr\b", persistent[at:])
     assert "dweight_ptr" not in persistent and "dbias_ptr" not in persistent

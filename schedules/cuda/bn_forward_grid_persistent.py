@@ -50,11 +50,88 @@ THREADS = [256, 512, 1024]
 OUTPUT_THREADS = 128  # the second kernel's block: a thread a channel
 
 
-def grid_choices(problem: BNForwardProblem, target: Target) -> list[int]:
+def grid_choices(problem, target: Target, copies: int = 1) -> list[int]:
     """G: block counts, one block an SM at most, that are multiples of P and divide the
-    tasks (the largest is the default)."""
-    count, tasks = parts(problem), parts(problem) * problem.channels
+    tasks (the largest is the default); ``copies`` tensors kept a part."""
+    count = parts(problem, copies)
+    tasks = count * problem.channels
     return [g for g in range(count, min(sm_count(target), tasks) + 1, count) if tasks % g == 0]
+
+
+def fits_in_parts(problem, copies: int) -> bool:
+    """NCHW training, channels of more than one part, each part's ``copies`` tensors
+    within ``PART_BYTES``."""
+    if not problem.training or problem.channels_last:
+        return False
+    count = parts(problem, copies)
+    return count > 1 and copies * problem.count // count * DTYPE_BYTES[problem.dtype] <= PART_BYTES
+
+
+def task_rounds(sch, partial, mapped, count, grid):
+    """The (channel, part) tasks of the partial sums (loops ``(part, channel, ...)``)
+    and of the map (``(n, channel, l)``, n cut in ``count`` parts), each fused and split
+    ``[round, blockIdx.x]`` by ``grid``, merged into one nest; returns its round loop."""
+    p, c, *_ = sch.get_loops(partial)
+    sch.reorder(c, p)
+    rounds = []
+    for task in (sch.fuse(c, p), None):
+        if task is None:
+            n, c, _ = sch.get_loops(mapped)
+            p, n_in = sch.split(n, [count, None])
+            sch.reorder(c, p, n_in)
+            task = sch.fuse(c, p)
+        r, g = sch.split(task, [None, grid])
+        sch.reorder(g, r)
+        rounds.append(r)
+    round_loop = sch.merge(*rounds)
+    sch.bind(sch.get_loops(partial)[0], "blockIdx.x")
+    return round_loop
+
+
+def after_barrier(sch, round_loop, names, combine: str) -> None:
+    """The map's per-channel blocks ``names`` (consumers first) at the round, in every
+    thread's registers, and the grid barrier before ``combine`` (the partials' sum)."""
+    for name in names:
+        block = sch.get_sblock(name)
+        sch.compute_at(block, round_loop, preserve_unit_loops=True)
+        outputs_to(sch, block, "local")
+    grid_barrier.before(sch, sch.get_loops(sch.get_sblock(combine))[2])
+
+
+def copy_in(sch, copy, round_loop, knobs) -> None:
+    """A part's copy at the round, lanes on consecutive 16-byte chunks."""
+    sch.compute_at(copy, round_loop, preserve_unit_loops=True)
+    _, _, vec = lanes_split(sch, copy, 2, knobs.threads, knobs.vector, 1)
+    sch.vectorize(vec)
+
+
+def reduce_from(sch, partial, on_chip, knobs) -> None:
+    """The partial sums across the lanes, 16 bytes of each copy at a time."""
+    _, serial, _ = lanes_split(sch, partial, 2, knobs.threads, knobs.vector, 1)
+    for name in on_chip:
+        stage_in_registers(sch, partial, name, serial)
+
+
+def map_from(sch, block, on_chip, knobs) -> None:
+    """The map from the copies, 16-byte stores."""
+    _, serial, _ = lanes_split(sch, block, 2, knobs.threads, knobs.vector, 1)
+    for name in on_chip:
+        stage_in_registers(sch, block, name, serial)
+    out = sch.cache_write(block, 0, "local")
+    sch.reverse_compute_at(out, serial, preserve_unit_loops=True)
+    sch.vectorize(sch.get_loops(out)[-1])
+
+
+def outputs_kernel(sch, outputs, sums) -> None:
+    """The second kernel: the per-channel ``outputs`` merged into one channel loop, the
+    blocks ``sums`` (producers last) at it in registers, a thread a channel."""
+    channel = merge_rows(sch, outputs)
+    for name in sums:
+        sch.compute_at(sch.get_sblock(name), channel, preserve_unit_loops=True)
+        outputs_to(sch, sch.get_sblock(name), "local")
+    blocks, lanes = sch.split(channel, [None, OUTPUT_THREADS])
+    sch.bind(blocks, "blockIdx.x")
+    sch.bind(lanes, "threadIdx.x")
 
 
 @dataclass(frozen=True)
@@ -74,11 +151,7 @@ class BNForwardGridPersistent(Candidate):
     claims = {"shuffles": True, "vector_loads": True, "atomics": True}  # the grid barrier's
 
     def applies(self, problem: BNForwardProblem) -> bool:
-        if problem.op != self.op or not problem.training or problem.channels_last:
-            return False
-        count = parts(problem)
-        part_bytes = problem.count // count * DTYPE_BYTES[problem.dtype]
-        return count > 1 and part_bytes <= PART_BYTES
+        return problem.op == self.op and fits_in_parts(problem, 1)
 
     def prefers(self, problem: BNForwardProblem, target: Target) -> bool:
         return False  # unmeasured: the tuner may pick it, dispatch's heuristic does not
@@ -100,48 +173,16 @@ class BNForwardGridPersistent(Candidate):
         copy = sch.cache_read(partial, read_index(sch, partial, "x"), "shared.dyn", consumer_blocks=[partial, y])
         on_chip = sch.get(copy).writes[0].source.name
         sch.compute_inline(sch.get_sblock("shift"))
-        # The tasks: (channel, part) fused, split [round, blockIdx.x], for the partial
-        # sums and the map alike; one merge puts both under one (block, round) nest.
-        p, c, *_ = sch.get_loops(partial)
-        sch.reorder(c, p)
-        rounds = []
-        for task in (sch.fuse(c, p), None):
-            if task is None:
-                n, c, _ = sch.get_loops(y)
-                p, n_in = sch.split(n, [count, None])
-                sch.reorder(c, p, n_in)
-                task = sch.fuse(c, p)
-            r, g = sch.split(task, [None, knobs.grid])
-            sch.reorder(g, r)
-            rounds.append(r)
-        round_loop = sch.merge(*rounds)
-        sch.bind(sch.get_loops(partial)[0], "blockIdx.x")
+        round_loop = task_rounds(sch, partial, y, count, knobs.grid)
         # 4. The map's coefficients after the barrier, every thread in its registers.
-        for name in ("bn_scale", "bn_shift", "var_map", "mean_map", "moments_map"):
-            block = sch.get_sblock(name)
-            sch.compute_at(block, round_loop, preserve_unit_loops=True)
-            outputs_to(sch, block, "local")
-        grid_barrier.before(sch, sch.get_loops(sch.get_sblock("moments_map"))[2])
-        sch.compute_at(copy, round_loop, preserve_unit_loops=True)
-        _, _, vec = lanes_split(sch, copy, 2, knobs.threads, knobs.vector, 1)
-        sch.vectorize(vec)
+        after_barrier(sch, round_loop, ("bn_scale", "bn_shift", "var_map", "mean_map", "moments_map"), "moments_map")
+        copy_in(sch, copy, round_loop, knobs)
         # 2. The partial sums across the lanes, 16 bytes of the copy at a time; K[c]
         # loaded once a round into a register (inlined, nvcc reloaded it for every value).
         shift = sch.cache_read(partial, read_index(sch, partial, "x"), "local", consumer_blocks=[partial])
         sch.compute_at(shift, round_loop, preserve_unit_loops=True)
-        _, serial, _ = lanes_split(sch, partial, 2, knobs.threads, knobs.vector, 1)
-        stage_in_registers(sch, partial, on_chip, serial)
+        reduce_from(sch, partial, [on_chip], knobs)
         # 5. y from the copy, 16-byte stores.
-        _, serial, _ = lanes_split(sch, y, 2, knobs.threads, knobs.vector, 1)
-        stage_in_registers(sch, y, on_chip, serial)
-        out = sch.cache_write(y, 0, "local")
-        sch.reverse_compute_at(out, serial, preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(out)[-1])
+        map_from(sch, y, [on_chip], knobs)
         # The second kernel: the per-channel outputs, a thread a channel.
-        channel = merge_rows(sch, channel_outputs(problem))
-        for name in ("var", "mean", "moments"):
-            sch.compute_at(sch.get_sblock(name), channel, preserve_unit_loops=True)
-            outputs_to(sch, sch.get_sblock(name), "local")
-        blocks, lanes = sch.split(channel, [None, OUTPUT_THREADS])
-        sch.bind(blocks, "blockIdx.x")
-        sch.bind(lanes, "threadIdx.x")
+        outputs_kernel(sch, channel_outputs(problem), ("var", "mean", "moments"))
