@@ -34,7 +34,8 @@ from tvm_fusion.registry import Candidate, register
 
 from ..common import read_index
 from .bn_forward_grid_persistent import (
-    THREADS, GridPersistentKnobs, after_barrier, copy_in, fits_in_parts, grid_choices, map_from, outputs_kernel, reduce_from, task_rounds,
+    GridPersistentKnobs, after_barrier, copy_in, fits_in_parts, grid_choices, map_from, outputs_kernel, reduce_from, task_rounds,
+    thread_choices,
 )
 from .common import vector_choices, widest_vector
 
@@ -57,11 +58,12 @@ class BNBackwardGridPersistent(Candidate):
         return False  # unmeasured: the tuner may pick it, dispatch's heuristic does not
 
     def choices(self, problem: BNBackwardProblem, target: Target) -> dict[str, list[int]]:
-        return {"threads": THREADS, "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
+        return {"threads": thread_choices(problem, COPIES), "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
                 "grid": grid_choices(problem, target, COPIES)}
 
     def default_for(self, problem: BNBackwardProblem, target: Target) -> GridPersistentKnobs:
-        return GridPersistentKnobs(threads=1024, vector=widest_vector(problem.dtype, problem.shape[2]),
+        return GridPersistentKnobs(threads=thread_choices(problem, COPIES)[-1],
+                                   vector=widest_vector(problem.dtype, problem.shape[2]),
                                            grid=grid_choices(problem, target, COPIES)[-1])
 
     def schedule(self, sch, problem: BNBackwardProblem, knobs) -> None:

@@ -46,7 +46,7 @@ from tvm_fusion.targets import sm_count
 from ..common import lanes_split, merge_rows, outputs_to, read_index, stage_in_registers
 from .common import vector_choices, widest_vector
 
-THREADS = [256, 512, 1024]
+LANES = range(128, 1025, 32)  # threads a block may have: whole warps, up to 1024
 OUTPUT_THREADS = 128  # the second kernel's block: a thread a channel
 
 
@@ -58,13 +58,26 @@ def grid_choices(problem, target: Target, copies: int = 1) -> list[int]:
     return [g for g in range(count, min(sm_count(target), tasks) + 1, count) if tasks % g == 0]
 
 
+def thread_choices(problem, copies: int) -> list[int]:
+    """Lane counts that split a part's chunks (of the widest vector, so of every
+    narrower one too) evenly, none left over. Why: with a last step that only some
+    lanes take, TVM bounds the map's 16-byte write-back by the tensor, not the part, and
+    the lanes past the part stored over the next part's values (H100, 2026-12-05:
+    64x256x56x56 fp16 at 1024 lanes, 12.25 steps, y off by 11.6; right at 256 lanes),
+    and the copies' regions grow by the last step (the backward asked for 238 KB of
+    shared memory)."""
+    chunks = problem.count // parts(problem, copies) // widest_vector(problem.dtype, problem.shape[2])
+    return [t for t in LANES if chunks % t == 0]
+
+
 def fits_in_parts(problem, copies: int) -> bool:
     """NCHW training, channels of more than one part, each part's ``copies`` tensors
-    within ``PART_BYTES``."""
+    within ``PART_BYTES``, and lanes that split a part evenly."""
     if not problem.training or problem.channels_last:
         return False
     count = parts(problem, copies)
-    return count > 1 and copies * problem.count // count * DTYPE_BYTES[problem.dtype] <= PART_BYTES
+    return (count > 1 and copies * problem.count // count * DTYPE_BYTES[problem.dtype] <= PART_BYTES
+            and bool(thread_choices(problem, copies)))
 
 
 def task_rounds(sch, partial, mapped, count, grid):
@@ -157,11 +170,13 @@ class BNForwardGridPersistent(Candidate):
         return False  # unmeasured: the tuner may pick it, dispatch's heuristic does not
 
     def choices(self, problem: BNForwardProblem, target: Target) -> dict[str, list[int]]:
-        return {"threads": THREADS, "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
+        return {"threads": thread_choices(problem, 1),
+                "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
                 "grid": grid_choices(problem, target)}
 
     def default_for(self, problem: BNForwardProblem, target: Target) -> GridPersistentKnobs:
-        return GridPersistentKnobs(threads=1024, vector=widest_vector(problem.dtype, problem.shape[2]),
+        return GridPersistentKnobs(threads=thread_choices(problem, 1)[-1],
+                                   vector=widest_vector(problem.dtype, problem.shape[2]),
                                    grid=grid_choices(problem, target)[-1])
 
     def schedule(self, sch, problem: BNForwardProblem, knobs) -> None:
