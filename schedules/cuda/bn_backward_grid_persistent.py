@@ -15,12 +15,15 @@ from the copies. A second kernel, a thread a channel, adds the partials up again
 ``dweight`` and ``dbias``.
 
 Bytes: x and dy read once, dx written once: 3 of the input's size, against 5 for the
-two-read backward (``bn_backward_block_per_channel``). Predicted, not measured:
-64x256x56x56 fp16 at P = 4 (2 x 100 KB a block, G = 128, 8 rounds) about 0.08 ms
-against 0.1218 for dispatch's backward (its forward + backward 0.2024 less its
-forward 0.0806), so forward + backward with ``bn_forward_grid_persistent`` about 0.14
-ms, 1.15x the floor of 5 input sizes. The same risk as the forward's: one block an SM
-makes each round a read phase then a write phase.
+two-read backward (``bn_backward_block_per_channel``). Predicted: forward + backward
+with ``bn_forward_grid_persistent`` on 64x256x56x56 fp16 about 0.14 ms against 0.2024
+on the H200 (30% less). Measured on an H100 (2026-12-05, rows "probe: grid-wide
+persistent BatchNorm" of results/benchmarks.csv, copy 3009 GB/s, against dispatch's
+pair in the same run), forward + backward, both grid-wide: 64x256x56x56 fp16 0.2608
+ms against 0.2794, bf16 0.2684 against 0.2877, 32x64x112x112 fp16 0.1344 against
+0.1506, 64x256x56x56 fp32 0.4899 against 0.5644: 7-13% less, not 30%; 0.2608 ms is
+1.53x the floor of five input sizes there. The forward's reason applies (read and
+write phases). The default wherever its grid fills the SMs (``prefers``).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from tvm_fusion.registry import Candidate, register
 from ..common import read_index
 from .bn_forward_grid_persistent import (
     GridPersistentKnobs, after_barrier, copy_in, fits_in_parts, grid_choices, map_from, outputs_kernel, reduce_from, task_rounds,
-    thread_choices,
+    fills_the_sms, thread_choices,
 )
 from .common import vector_choices, widest_vector
 
@@ -55,7 +58,7 @@ class BNBackwardGridPersistent(Candidate):
         return problem.op == self.op and fits_in_parts(problem, COPIES)
 
     def prefers(self, problem: BNBackwardProblem, target: Target) -> bool:
-        return False  # unmeasured: the tuner may pick it, dispatch's heuristic does not
+        return fills_the_sms(problem, target, COPIES)
 
     def choices(self, problem: BNBackwardProblem, target: Target) -> dict[str, list[int]]:
         return {"threads": thread_choices(problem, COPIES), "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),

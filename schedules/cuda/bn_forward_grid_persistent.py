@@ -21,12 +21,22 @@ channel, adds the partials up again (``moments``) for ``save_mean``, ``save_invs
 and the running statistics: written once, after every block read the old running
 values, so the in-place update has no race between a channel's blocks.
 
+Lanes: whole warps that split a part's chunks evenly (``thread_choices``: 896 on
+64x256x56x56 fp16); with a step only some lanes take, TVM bounded the map's write-back
+by the tensor, not the part, and the lanes past it wrote over the next part.
+
 Bytes: x read once, y written once (``bn_forward_block_per_channel`` and the split
-plane read x twice). Predicted, not measured: 64x256x56x56 fp16 at P = 2 (200 KB a
-block, G = 128, 4 rounds, each a 25.7 MB read then a 25.7 MB write, the barrier
-between) about 0.060 ms against 0.0806 for the two-read pair, 1.2x the forward's
-floor. The risk: a round's reads and writes do not overlap within an SM (one block an
-SM), so the round is a read phase then a write phase.
+plane read x twice). Predicted: 64x256x56x56 fp16 at P = 2 (200 KB a block, G = 128,
+4 rounds) about 0.060 ms against 0.0806 on the H200 (25% less). Measured on an H100
+(2026-12-05, rows "probe: grid-wide persistent BatchNorm" of results/benchmarks.csv,
+copy 3009 GB/s, against dispatch's kernels in the same run), forward alone:
+64x256x56x56 fp16 0.1022 ms against 0.1103, bf16 0.0993 against 0.1099, 32x64x112x112
+fp16 0.0534 against 0.0586, 64x256x56x56 fp32 0.1820 against 0.2130: 7-15% less, not
+25%. 0.1022 ms is 1.50x the forward's floor there (two input sizes at the copy rate).
+Why it missed, as far as the knobs tell: one block an SM makes each round a read phase
+then a write phase, no overlap inside an SM; fewer lanes take longer (448: 0.1135, 256:
+0.1647, 128: 0.2483), and half the grid (64 blocks) 0.1395. The default wherever its
+grid fills the SMs (``prefers``); the shipped records still decide their shapes.
 """
 
 from __future__ import annotations
@@ -68,6 +78,17 @@ def thread_choices(problem, copies: int) -> list[int]:
     shared memory)."""
     chunks = problem.count // parts(problem, copies) // widest_vector(problem.dtype, problem.shape[2])
     return [t for t in LANES if chunks % t == 0]
+
+
+# The default where a grid of at least this share of the SMs divides the tasks: faster
+# than dispatch's kernels on every shape timed (module docstring), all at 128 of 132.
+GRID_SHARE_MIN = 0.9
+
+
+def fills_the_sms(problem, target: Target, copies: int) -> bool:
+    """The largest grid takes at least ``GRID_SHARE_MIN`` of the SMs (8x3x224x224 has
+    12 tasks: 12 blocks would leave 120 SMs idle)."""
+    return max(grid_choices(problem, target, copies)) >= GRID_SHARE_MIN * sm_count(target)
 
 
 def fits_in_parts(problem, copies: int) -> bool:
@@ -167,7 +188,7 @@ class BNForwardGridPersistent(Candidate):
         return problem.op == self.op and fits_in_parts(problem, 1)
 
     def prefers(self, problem: BNForwardProblem, target: Target) -> bool:
-        return False  # unmeasured: the tuner may pick it, dispatch's heuristic does not
+        return fills_the_sms(problem, target, 1)
 
     def choices(self, problem: BNForwardProblem, target: Target) -> dict[str, list[int]]:
         return {"threads": thread_choices(problem, 1),

@@ -28,13 +28,19 @@ fit the L2: 8192x128256 bf16 took 1.4396 ms at its best default-kind knobs and 1
 results/benchmarks.csv), 1.44x the 0.9893 ms of one read and one write. Here the head is
 read from HBM once; only the tail (29952 of 128256 values) is read twice.
 
-Prediction, not yet measured on a GPU: 8192x128256 bf16 moves 2.10 GB read, 0.49 GB
-re-read (the tail) and 2.10 GB written, 4.69 GB against the online candidate's 6.30: at
-the copy rate of that run (4.24 TB/s read + write) 1.11 ms. The online kernel ran at
-0.96x its own traffic's time (1.4228 against 1.485 ms: the L2 served part of its
-re-read), so about 1.1 ms: 0.77x today's best, 1.1x the floor. What could spoil it: one
-1024-lane block an SM drains at each pass's end (the rows knob's timings), and the head
-makes a third trip through the SM (global to shared, then shared to registers twice).
+Predicted: 8192x128256 bf16 moves 2.10 GB read, 0.49 GB re-read (the tail) and 2.10 GB
+written, 4.69 GB against the online candidate's 6.30, about 1.1 ms on the H200 against
+1.4228 (0.77x). Measured on an H100 (2026-12-05, rows "probe:
+cross_entropy_grad_head_in_shared against cross_entropy_grad_online's best knobs" of
+results/benchmarks.csv, copy 3001 GB/s, forward + backward under graph replay, the
+online candidate's best knobs in the same run): 8192x128256 bf16 1.5142 ms against
+2.3017 (0.66x; dispatch's record 2.4468), 2048x151936 bf16 0.5434 against 0.6253,
+4096x256000 bf16 2.1621 against 2.4266, 8192x65536 fp16 0.7418 against 1.0023,
+4096x50000 fp32 0.6512 against 0.7966. Batch 4 is the best of 1, 2 and 4 (1.7442 and
+1.7469 at 1 and 2), 512 lanes lose (1.8628), unroll 4 and 16 tie (1.5130, 1.5142).
+8192x128256 is then 2.10 GB x 2 / 3001 GB/s = 1.40 ms of floor: 1.08x. So it is the
+default wherever it applies; the shipped record of 8192x128256 bf16 (the online
+candidate, tuned before this one existed) still decides that shape until a re-tune.
 
 Not used: the head copied by the statistics' own chunk loads (TensorIR's ``compute_at``
 needs every consumer of a staged block under the loop, and the map reads the copy after
@@ -89,7 +95,9 @@ class CrossEntropyGradHeadInShared(Candidate):
                 and problem.classes * DTYPE_BYTES[problem.dtype] > ROW_BYTES_MAX and problem.classes > HEAD_GRAIN)
 
     def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
-        return False  # unmeasured (module docstring)
+        # Faster than the online candidate's best knobs on every shape timed (H100,
+        # module docstring), so the default wherever it applies.
+        return True
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
         # threads x vector x batch divides HEAD_GRAIN for all of these, so the head is
