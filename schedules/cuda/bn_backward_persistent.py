@@ -50,9 +50,8 @@ measured): shared memory takes them.
 An explicitly unrolled sums loop over two ``shared.dyn`` copies, because TVM 0.27's
 MergeSharedMemoryAllocations rejects the reduction's lets at the kernel's top level
 ("Load memory in places other than store"): that loop is left to nvcc's ``#pragma
-unroll``. A grid-wide variant for channels that do not fit: not built yet (TVM 0.27 has the
-cooperative launch and the grid barrier; bn_forward_persistent says what a schedule
-needs).
+unroll``. The grid-wide variant for channels that do not fit is
+``bn_backward_grid_persistent``.
 
 Run only through code generation and nvcc here; the gpu suite's checks against
 float64 have not run on a GPU yet, and it has not been timed.

@@ -38,7 +38,7 @@ Kernel 3, many blocks:
 
 Not used: blocks on runs of one plane for the map (bn_forward_split_plane's reason);
 the map in kernel 2 (C blocks again); a grid barrier between the sums and
-the map (a cooperative kernel; not built yet: bn_forward_persistent); atomicAdd of the partials
+the map (a cooperative kernel: ``bn_backward_grid_persistent``); atomicAdd of the partials
 (order-dependent results and a zeroing pass).
 
 On the H200 (results/benchmarks.csv), behind dispatch's forward pick: forward + backward

@@ -39,24 +39,15 @@ dispatch order and without ``prefers``, it is the default wherever it applies.
 with another decision could not follow), and with registers so are ``threads`` and
 ``vector``, which the layout bakes in; with shared memory the tuner searches both.
 
-Not built yet: a grid-wide persistent kernel for channels that do not fit (several
-blocks per channel, a grid barrier between the sums and the map). Earlier versions of
-this docstring said TVM could not: it can. ``T.cuda.grid_sync()`` emits
+Channels that do not fit one block: ``bn_forward_grid_persistent`` (several blocks
+per channel, a grid barrier between the sums and the map). Earlier versions of this
+docstring said TVM could not do that: it can. ``T.cuda.grid_sync()`` emits
 ``cooperative_groups::this_grid().sync()`` (tests/test_cuda_codegen.py checks it), and
 a PrimFunc whose ``tirx.kernel_launch_params`` attribute holds
-``tirx.use_cooperative_launch`` compiles; by TVM's source (split_host_device, the CUDA
-module's launch) that tag makes the runtime call ``cuLaunchCooperativeKernel``, not yet
-run on a GPU here. A probe of the schedule: ``rfactor`` over P parts of each channel's
-N, the partial sums' and ``y``'s loops fused to (channel, part) tasks split
-``[blockIdx.x, round]``, then one ``merge`` puts both under one nest, and
-``compute_at`` brings in the coefficients that only ``y`` reads. The per-channel
-outputs cannot follow (``compute_at`` wants every consumer under the loop,
-``reverse_compute_at`` every producer), so such a candidate needs a decomposition that
-combines the partials twice: once per task for the map, once in a small kernel after
-it for the outputs, which also keeps the in-place running-statistics update out of a
-race between a channel's blocks. Predicted, not measured: 64x256x56x56 fp16 at P = 2
-(200 KB of shared memory a block, 128 blocks, 4 rounds, each a 25.7 MB read then
-write) about 0.060 ms against 0.0806 for the two-read pair, 1.2x the forward's floor.
+``tirx.use_cooperative_launch`` is launched with ``cuLaunchCooperativeKernel``
+(:mod:`tvm_fusion.grid_barrier`; on an H100 the grid-wide kernels compute the float64
+reference, and a grid too large for one launch failed with
+``CUDA_ERROR_COOPERATIVE_LAUNCH_TOO_LARGE`` instead of hanging).
 
 Not used: registers for a channel that does not split evenly over the lanes: the
 layout would need padding, and ``transform_block_layout`` takes bijective maps only.

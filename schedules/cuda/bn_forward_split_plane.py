@@ -41,7 +41,7 @@ Kernel 3, many blocks:
 Not used: blocks on runs of one plane for the map (one channel a block, but a
 56x56 fp16 plane is 392 vectors, so most blocks would end with idle lanes); the map
 in kernel 2 (C blocks again); a grid barrier between the sums and the map
-(a cooperative kernel; not built yet: bn_forward_persistent); atomicAdd of the partials (order-dependent results
+(a cooperative kernel: ``bn_forward_grid_persistent``); atomicAdd of the partials (order-dependent results
 and a zeroing pass).
 
 On the H200 (results/benchmarks.csv): 64x256x56x56 fp16 0.0826 ms, 89% of the copy
