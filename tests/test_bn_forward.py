@@ -69,6 +69,22 @@ def check(kernel, outs, problem, x, weight, bias, running_mean, running_var, mom
         assert (err <= tol).all(), f"{what} {name}: off by {err.max():.3g} (largest {scale:.3g})"
 
 
+def check_knobs_on_gpu(problem, candidate: str, configs) -> None:
+    """Each knob configuration of ``candidate`` on the GPU against the float64 reference,
+    outputs poisoned before the run, |mean| >> std too."""
+    import tvm
+
+    from tvm_fusion.kernel import build_kernel
+
+    gen = rng()
+    for knobs in configs:
+        kernel = build_kernel(problem, targets.resolve("cuda"), candidate, knobs)
+        for loc, scale in ((0.0, 2.0), (1000.0, 1.0)):
+            data = inputs(gen, problem, loc=loc, scale=scale)
+            outs = run_poisoned(kernel, kernel_args(problem, *data), tvm.cuda(0))
+            check(kernel, outs, problem, *data, what=f"{candidate} {knobs} mean {loc}")
+
+
 @pytest.mark.skipif(torch is None, reason="needs torch")
 @pytest.mark.parametrize("training, track, affine", MODES)
 @pytest.mark.parametrize("shape, layout", CASES[:4])

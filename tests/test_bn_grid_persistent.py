@@ -15,14 +15,13 @@ import pytest
 import tvm
 
 from helpers import check_threads_decisions_replay, needs_nvcc, on_gpu, rng, run_poisoned
-from test_bn_forward import check, inputs, kernel_args
+from test_bn_forward import check_knobs_on_gpu
 from tvm_fusion import grid_barrier, launch_order, registry, targets
 from tvm_fusion.compute import bn_stats
+from tvm_fusion.contracts.bn_backward import bn_backward_problem
 from tvm_fusion.contracts.bn_forward import bn_forward_problem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.kernel import build_kernel, compiled_form
-from tvm_fusion.contracts.bn_backward import bn_backward_problem
-from tvm_fusion.schedules.cuda import bn_backward_grid_persistent as backward
 from tvm_fusion.schedules.cuda.bn_forward_grid_persistent import grid_choices
 
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
@@ -142,11 +141,11 @@ def test_tuning_space_replays_with_every_decision():
     check_threads_decisions_replay(CANDIDATE, problem((16, 8, 60, 60), "float32"), CUDA)
 
 
-def configs(p):
-    cand, default = CANDIDATE, CANDIDATE.default_for(p, CUDA)
+def configs(cand, p):
+    """The default, the fewest lanes on the smallest grid, and one from the middle."""
     space = cand.all_configs(p, CUDA)
     smallest = min(space, key=lambda k: (k.threads, k.grid))
-    return list(dict.fromkeys([default, smallest, space[len(space) // 2]]))
+    return list(dict.fromkeys([cand.default_for(p, CUDA), smallest, space[len(space) // 2]]))
 
 
 # -- on a GPU ----------------------------------------------------------------------------
@@ -158,13 +157,7 @@ GPU_CASES = [((64, 256, 56, 56), "float16", (True, True)), ((32, 64, 112, 112), 
 @pytest.mark.parametrize("shape, dtype, mode", GPU_CASES)
 def test_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, mode):
     p = problem(shape, dtype, *mode)
-    gen = rng()
-    for knobs in configs(p):
-        kernel = build_kernel(p, targets.resolve("cuda"), NAME, knobs)
-        for loc, scale in ((0.0, 2.0), (1000.0, 1.0)):  # |mean| >> std too
-            data = inputs(gen, p, loc=loc, scale=scale)
-            outs = run_poisoned(kernel, kernel_args(p, *data), tvm.cuda(0))
-            check(kernel, outs, p, *data, what=f"{NAME} {knobs} mean {loc}")
+    check_knobs_on_gpu(p, NAME, configs(CANDIDATE, p))
 
 
 # -- the backward: x and dy in shared memory, dx from them ------------------------------
@@ -182,7 +175,7 @@ def backward_problem(shape, dtype, affine=True, training=True, layout="NCHW"):
 def test_backward_applies_in_parts_and_its_grid_divides_the_tasks(shape, dtype, parts):
     p = backward_problem(shape, dtype)
     assert BACKWARD.applies(p) and bn_stats.parts(p, copies=2) == parts
-    grids = backward.grid_choices(p, CUDA, backward.COPIES)
+    grids = grid_choices(p, CUDA, BACKWARD.copies)
     assert grids and all(g % parts == 0 and parts * p.channels % g == 0 for g in grids)
     assert BACKWARD.default_for(p, CUDA).grid == max(grids)
     assert BACKWARD.prefers(p, CUDA) == (max(grids) == 128)
@@ -222,10 +215,7 @@ def test_backward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, 
 
     p = backward_problem(shape, dtype, affine)
     gen = rng()
-    default = BACKWARD.default_for(p, CUDA)
-    space = BACKWARD.all_configs(p, CUDA)
-    smallest = min(space, key=lambda k: (k.threads, k.grid))
-    for knobs in dict.fromkeys([default, smallest, space[len(space) // 2]]):
+    for knobs in configs(BACKWARD, p):
         kernel = build_kernel(p, targets.resolve("cuda"), BACKWARD.name, knobs)
         x, dy, mean, invstd, weight = ref.inputs(gen, p, p.dtype, shift=3.0)
         outs = run_poisoned(kernel, ref.kernel_args(p, x, dy, mean, invstd, weight), tvm.cuda(0))

@@ -10,8 +10,8 @@ import re
 
 import pytest
 
-from helpers import check_threads_decisions_replay, needs_nvcc, on_gpu, rng, run_poisoned
-from test_bn_forward import check, inputs, kernel_args
+from helpers import check_threads_decisions_replay, needs_nvcc, on_gpu
+from test_bn_forward import check_knobs_on_gpu
 from test_cuda_codegen import barriers_under_a_guard, kernel_params, scoped_lines, shared_stores_by_every_thread
 from tvm_fusion import registry, targets
 from tvm_fusion.contracts.bn_forward import bn_forward_problem
@@ -163,13 +163,5 @@ GPU_CASES = [((256, 2048, 7, 7), "float16", (True, True)), ((32, 16, 8, 8), "bfl
 @on_gpu
 @pytest.mark.parametrize("shape, dtype, mode", GPU_CASES)
 def test_on_gpu_every_staging_computes_the_reference(shape, dtype, mode):
-    import tvm
-
     p = problem(shape, dtype, *mode)
-    gen = rng()
-    for knobs in configs(p):
-        kernel = build_kernel(p, targets.resolve("cuda"), NAME, knobs)
-        for loc, scale in ((0.0, 2.0), (1000.0, 1.0)):  # |mean| >> std too
-            data = inputs(gen, p, loc=loc, scale=scale)
-            outs = run_poisoned(kernel, kernel_args(p, *data), tvm.cuda(0))
-            check(kernel, outs, p, *data, what=f"{NAME} {knobs} mean {loc}")
+    check_knobs_on_gpu(p, NAME, configs(p))

@@ -2,7 +2,7 @@
 
 A schedule marks a loop with :func:`before` (an annotation: a traced primitive, so
 MetaSchedule's records replay it). In :data:`launch_order.PIPELINE`, after TVM's
-lowering and before its host/device split, :func:`insert_barriers` puts
+lowering and before its host/device split, :func:`with_barriers` puts
 ``T.cuda.grid_sync()`` (``cooperative_groups::this_grid().sync()``) before each marked
 loop and gives the function the launch parameter ``tirx.use_cooperative_launch``,
 which TVM's host/device split copies to every kernel of the function and its CUDA
@@ -13,15 +13,14 @@ barrier hanging), so every block reaches the barrier.
 The marked loop must be one every thread of every block runs: not under a thread
 guard, nor under a loop whose trip count differs between blocks. Pipelines other than
 ``launch_order.PIPELINE`` keep the annotation as a pragma that code generation
-ignores, and the kernel would race: :func:`insert_barriers` is in every pipeline that
-builds a scheduled module (the single-launch and aliased pipelines build on it).
+ignores, and the kernel would race: ``launch_order.marked_loops`` is in every pipeline
+that builds a scheduled module (the single-launch and aliased pipelines build on it).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import tvm
 from tvm import tirx
 from tvm.backend.cuda import op as cuda_op
 
@@ -59,10 +58,11 @@ def _walk(stmt: tirx.Stmt, found: list) -> tirx.Stmt:
     return stmt
 
 
-def with_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
+def with_barriers(func: tirx.PrimFunc, marks: int | None = None) -> tirx.PrimFunc:
     """``func`` (lowered: launches as ``thread_extent`` attributes) with a grid barrier
-    before each marked loop, launched cooperatively when it has any."""
-    marks = func.script().count(KEY)
+    before each marked loop, launched cooperatively when it has any. ``marks``: how many
+    the function has (counted in its printed form when not given)."""
+    marks = func.script().count(KEY) if marks is None else marks
     if not marks:
         return func
     found: list = []
@@ -72,11 +72,3 @@ def with_barriers(func: tirx.PrimFunc) -> tirx.PrimFunc:
                          f"{func.attrs.get('global_symbol', 'a function')}")
     params = list(func.attrs.get(LAUNCH_PARAMS, [])) if func.attrs is not None else []
     return new.with_attr(LAUNCH_PARAMS, [*params, COOPERATIVE] if COOPERATIVE not in params else params)
-
-
-@tvm.transform.module_pass(opt_level=0, name="tvm_fusion.InsertGridBarriers")
-def insert_barriers(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
-    for gvar, func in list(mod.functions.items()):
-        if isinstance(func, tirx.PrimFunc):
-            mod[gvar] = with_barriers(func)
-    return mod

@@ -126,11 +126,11 @@ def _walk(stmt: tirx.Stmt, found: list) -> tirx.Stmt:
     return stmt
 
 
-def reverse_marked(func: tirx.PrimFunc) -> tirx.PrimFunc:
+def reverse_marked(func: tirx.PrimFunc, marks: int | None = None) -> tirx.PrimFunc:
     """``func`` (lowered: launches as ``thread_extent`` attributes) with its marked
-    loops walked backwards. The function is printed once (7-8 ms for the fused
-    gradient's), to count its marks against those the walk met."""
-    marks = func.script().count(KEY)
+    loops walked backwards. ``marks``: how many the function has, counted in its printed
+    form (7-8 ms for the fused gradient's) when not given, against those the walk met."""
+    marks = func.script().count(KEY) if marks is None else marks
     if not marks:
         return func
     found: list = []
@@ -140,11 +140,15 @@ def reverse_marked(func: tirx.PrimFunc) -> tirx.PrimFunc:
     return new
 
 
-@tvm.transform.module_pass(opt_level=0, name="tvm_fusion.ReverseMarkedLoops")
-def reverse_marked_loops(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
+@tvm.transform.module_pass(opt_level=0, name="tvm_fusion.MarkedLoops")
+def marked_loops(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
+    """Every function's marked loops reversed and its grid barriers inserted
+    (:func:`tvm_fusion.grid_barrier.with_barriers`), both counted in one printing."""
     for gvar, func in list(mod.functions.items()):
         if isinstance(func, tirx.PrimFunc):
-            mod[gvar] = reverse_marked(func)
+            text = func.script()
+            func = reverse_marked(func, text.count(KEY))
+            mod[gvar] = grid_barrier.with_barriers(func, text.count(grid_barrier.KEY))
     return mod
 
 
@@ -155,7 +159,8 @@ def tail() -> tvm.transform.Pass:
 
 def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IRModule:
     """``mod`` through ``pipeline`` (``s_tir``'s) without its :data:`TAIL`, marked loops
-    reversed, grid barriers inserted (:mod:`tvm_fusion.grid_barrier`); with loop partition on const loops where a function asks for it (the
+    reversed and grid barriers inserted (:func:`marked_loops`); with loop partition on
+    const loops where a function asks for it (the
     :data:`~tvm_fusion.compute.PARTITION_LIKELY_ATTR` attribute of the decompositions in
     :data:`~tvm_fusion.compute.PARTITION_LIKELY`)."""
     config = dict(ctx.config)
@@ -166,11 +171,11 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
                                    disabled_pass=[*ctx.disabled_pass, *TAIL], config=config,
                                    instruments=list(ctx.instruments)):
         mod = pipeline(mod)
-    return grid_barrier.insert_barriers(reverse_marked_loops(mod))
+    return marked_loops(mod)
 
 
 def _pipeline(**kwargs):
-    """TVM's s_tir pipeline with :func:`reverse_marked_loops` before its host/device split."""
+    """TVM's s_tir pipeline with :func:`marked_loops` before its host/device split."""
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.Pipeline")

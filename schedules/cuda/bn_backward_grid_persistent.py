@@ -28,49 +28,25 @@ write phases). The default wherever its grid fills the SMs (``prefers``).
 
 from __future__ import annotations
 
-from tvm.target import Target
-
 from tvm_fusion.compute.bn_stats import parts
 from tvm_fusion.contracts import BNBackwardProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
-from tvm_fusion.registry import Candidate, register
+from tvm_fusion.registry import register
 
 from ..common import read_index
 from .bn_forward_grid_persistent import (
-    GridPersistentKnobs, after_barrier, copy_in, fits_in_parts, grid_choices, map_from, outputs_kernel, reduce_from, task_rounds,
-    fills_the_sms, thread_choices,
+    GridPersistentCandidate, after_barrier, copy_in, map_from, outputs_kernel, reduce_from, task_rounds,
 )
-from .common import vector_choices, widest_vector
-
-COPIES = 2  # x and dy
 
 
 @register
-class BNBackwardGridPersistent(Candidate):
+class BNBackwardGridPersistent(GridPersistentCandidate):
     name = "bn_backward_grid_persistent"
     op = "bn_backward"
-    target_kind = "cuda"
     algorithm = "dual_reduce_parts"
-    knobs = GridPersistentKnobs
-    claims = {"shuffles": True, "vector_loads": True, "atomics": True}  # the grid barrier's
-
-    def applies(self, problem: BNBackwardProblem) -> bool:
-        return problem.op == self.op and fits_in_parts(problem, COPIES)
-
-    def prefers(self, problem: BNBackwardProblem, target: Target) -> bool:
-        return fills_the_sms(problem, target, COPIES)
-
-    def choices(self, problem: BNBackwardProblem, target: Target) -> dict[str, list[int]]:
-        return {"threads": thread_choices(problem, COPIES), "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
-                "grid": grid_choices(problem, target, COPIES)}
-
-    def default_for(self, problem: BNBackwardProblem, target: Target) -> GridPersistentKnobs:
-        return GridPersistentKnobs(threads=thread_choices(problem, COPIES)[-1],
-                                   vector=widest_vector(problem.dtype, problem.shape[2]),
-                                           grid=grid_choices(problem, target, COPIES)[-1])
+    copies = 2  # x and dy
 
     def schedule(self, sch, problem: BNBackwardProblem, knobs) -> None:
-        count = parts(problem, COPIES)
+        count = parts(problem, self.copies)
         partial, dx = sch.get_sblock("part_grad_sums"), sch.get_sblock("dx")
         # The parts' copies in shared memory, for both readers (placed below).
         copies = [sch.cache_read(partial, read_index(sch, partial, name), "shared.dyn", consumer_blocks=[partial, dx])

@@ -53,8 +53,8 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 from tvm_fusion.targets import sm_count
 
-from ..common import lanes_split, merge_rows, outputs_to, read_index, stage_in_registers
-from .common import vector_choices, widest_vector
+from ..common import lanes_split, merge_rows, outputs_to, read_index, stage_in_registers, thread_reduce
+from .common import store_vectors, vector_choices, widest_vector
 
 LANES = range(128, 1025, 32)  # threads a block may have: whole warps, up to 1024
 OUTPUT_THREADS = 128  # the second kernel's block: a thread a channel
@@ -105,19 +105,19 @@ def task_rounds(sch, partial, mapped, count, grid):
     """The (channel, part) tasks of the partial sums (loops ``(part, channel, ...)``)
     and of the map (``(n, channel, l)``, n cut in ``count`` parts), each fused and split
     ``[round, blockIdx.x]`` by ``grid``, merged into one nest; returns its round loop."""
+
+    def rounds(c, p):
+        r, g = sch.split(sch.fuse(c, p), [None, grid])
+        sch.reorder(g, r)
+        return r
+
     p, c, *_ = sch.get_loops(partial)
     sch.reorder(c, p)
-    rounds = []
-    for task in (sch.fuse(c, p), None):
-        if task is None:
-            n, c, _ = sch.get_loops(mapped)
-            p, n_in = sch.split(n, [count, None])
-            sch.reorder(c, p, n_in)
-            task = sch.fuse(c, p)
-        r, g = sch.split(task, [None, grid])
-        sch.reorder(g, r)
-        rounds.append(r)
-    round_loop = sch.merge(*rounds)
+    sums = rounds(c, p)
+    n, c, _ = sch.get_loops(mapped)
+    p, n_in = sch.split(n, [count, None])
+    sch.reorder(c, p, n_in)
+    round_loop = sch.merge(sums, rounds(c, p))
     sch.bind(sch.get_loops(partial)[0], "blockIdx.x")
     return round_loop
 
@@ -141,19 +141,17 @@ def copy_in(sch, copy, round_loop, knobs) -> None:
 
 def reduce_from(sch, partial, on_chip, knobs) -> None:
     """The partial sums across the lanes, 16 bytes of each copy at a time."""
-    _, serial, _ = lanes_split(sch, partial, 2, knobs.threads, knobs.vector, 1)
-    for name in on_chip:
+    _, serial = thread_reduce(sch, partial, 2, knobs.threads, knobs.vector, 1, on_chip[0])
+    for name in on_chip[1:]:
         stage_in_registers(sch, partial, name, serial)
 
 
 def map_from(sch, block, on_chip, knobs) -> None:
-    """The map from the copies, 16-byte stores."""
-    _, serial, _ = lanes_split(sch, block, 2, knobs.threads, knobs.vector, 1)
+    """The map from the copies, 16-byte stores (the lanes split a part evenly)."""
+    _, serial, vec = lanes_split(sch, block, 2, knobs.threads, knobs.vector, 1)
     for name in on_chip:
         stage_in_registers(sch, block, name, serial)
-    out = sch.cache_write(block, 0, "local")
-    sch.reverse_compute_at(out, serial, preserve_unit_loops=True)
-    sch.vectorize(sch.get_loops(out)[-1])
+    store_vectors(sch, block, serial, vec, perfect=True)
 
 
 def outputs_kernel(sch, outputs, sums) -> None:
@@ -175,33 +173,40 @@ class GridPersistentKnobs(Knobs):
     grid: int = 128  # G, blocks (a multiple of P that divides the tasks)
 
 
-@register
-class BNForwardGridPersistent(Candidate):
-    name = "bn_forward_grid_persistent"
-    op = "bn_forward"
+class GridPersistentCandidate(Candidate):
+    """What the grid-wide forward and backward share: where they apply and are the
+    default, and their knobs; ``copies`` is how many tensors a part keeps on chip."""
+
     target_kind = "cuda"
-    algorithm = "shifted_parts"
     knobs = GridPersistentKnobs
     claims = {"shuffles": True, "vector_loads": True, "atomics": True}  # the grid barrier's
+    copies = 1
 
-    def applies(self, problem: BNForwardProblem) -> bool:
-        return problem.op == self.op and fits_in_parts(problem, 1)
+    def applies(self, problem) -> bool:
+        return problem.op == self.op and fits_in_parts(problem, self.copies)
 
-    def prefers(self, problem: BNForwardProblem, target: Target) -> bool:
-        return fills_the_sms(problem, target, 1)
+    def prefers(self, problem, target: Target) -> bool:
+        return fills_the_sms(problem, target, self.copies)
 
-    def choices(self, problem: BNForwardProblem, target: Target) -> dict[str, list[int]]:
-        return {"threads": thread_choices(problem, 1),
+    def choices(self, problem, target: Target) -> dict[str, list[int]]:
+        return {"threads": thread_choices(problem, self.copies),
                 "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2]),
-                "grid": grid_choices(problem, target)}
+                "grid": grid_choices(problem, target, self.copies)}
 
-    def default_for(self, problem: BNForwardProblem, target: Target) -> GridPersistentKnobs:
-        return GridPersistentKnobs(threads=thread_choices(problem, 1)[-1],
+    def default_for(self, problem, target: Target) -> GridPersistentKnobs:
+        return GridPersistentKnobs(threads=thread_choices(problem, self.copies)[-1],
                                    vector=widest_vector(problem.dtype, problem.shape[2]),
-                                   grid=grid_choices(problem, target)[-1])
+                                   grid=grid_choices(problem, target, self.copies)[-1])
+
+
+@register
+class BNForwardGridPersistent(GridPersistentCandidate):
+    name = "bn_forward_grid_persistent"
+    op = "bn_forward"
+    algorithm = "shifted_parts"
 
     def schedule(self, sch, problem: BNForwardProblem, knobs) -> None:
-        count = parts(problem)
+        count = parts(problem, self.copies)
         partial, y = sch.get_sblock("part_moments"), sch.get_sblock("y")
         # 1. The part's copy in shared memory, for both readers (placed below). Taken
         # before the shift K[c] = x[0, c, 0] is inlined, so that K stays a read of x

@@ -94,11 +94,6 @@ class CrossEntropyGradHeadInShared(Candidate):
                 and reads_16_bytes(problem.dtype, problem.classes)
                 and problem.classes * DTYPE_BYTES[problem.dtype] > ROW_BYTES_MAX and problem.classes > HEAD_GRAIN)
 
-    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
-        # Faster than the online candidate's best knobs on every shape timed (H100,
-        # module docstring), so the default wherever it applies.
-        return True
-
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
         # threads x vector x batch divides HEAD_GRAIN for all of these, so the head is
         # a whole number of steps and the loop partition splits at a step.

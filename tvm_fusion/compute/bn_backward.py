@@ -28,7 +28,7 @@ from __future__ import annotations
 from tvm import te, tirx
 
 from ..contracts.bn_backward import BNBackwardProblem
-from .bn_stats import parts
+from .bn_stats import part_sums, sum_parts
 from .primitives import DUAL_SUM, dims, index_dtype, widen
 
 ALGORITHMS = ("dual_reduce", "dual_reduce_parts")
@@ -89,25 +89,13 @@ def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -
         return DUAL_SUM((g, g * xhat), axis=axes)
 
     if algorithm == "dual_reduce_parts":
-        count_parts = parts(problem, copies=2)
-        per = problem.shape[0] // count_parts
-        r = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, per)), name="r")
-
-        def part_body(p, c):
-            index = (p * per + r, c) if problem.channels_last else (p * per + r, c, axes[1])
+        def values(index, c):
             g = widen(dy[index], problem.dtype)
-            xhat = (widen(x[index], problem.dtype) - mean[c]) * invstd[c]
-            return DUAL_SUM((g, g * xhat), axis=[r] + axes[1:])
+            return g, g * ((widen(x[index], problem.dtype) - mean[c]) * invstd[c])
 
-        part_dy, part_dy_xhat = te.compute(dims([count_parts, problem.channels], idx), part_body,
-                                           name="part_grad_sums")
-
-        def combined(name):
-            k = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, count_parts)), name="k")
-            return te.compute(channels, lambda c: DUAL_SUM((part_dy[k, c], part_dy_xhat[k, c]), axis=k), name=name)
-
-        sum_dy, sum_dy_xhat = combined("grad_sums")
-        map_dy, map_dy_xhat = combined("grad_sums_map")
+        partials = part_sums(problem, 2, values, "part_grad_sums")
+        sum_dy, sum_dy_xhat = sum_parts(*partials, "grad_sums")
+        map_dy, map_dy_xhat = sum_parts(*partials, "grad_sums_map")
     else:
         sum_dy, sum_dy_xhat = te.compute(channels, sums_body, name="grad_sums")
         map_dy, map_dy_xhat = sum_dy, sum_dy_xhat

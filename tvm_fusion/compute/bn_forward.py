@@ -67,15 +67,12 @@ def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> li
         momentum = te.placeholder([], F32, name="momentum")
         params.append(momentum)
 
-    if algorithm == "shifted_parts":
-        shift, total, total_sq = part_statistics(problem, x)
-        mean, var = combine_parts(problem, shift, total, total_sq)
-        map_mean, map_var = combine_parts(problem, shift, total, total_sq, suffix="_map")
-    elif problem.training:
-        mean, var = statistics(problem, x, algorithm)
+    if algorithm == "shifted_parts":  # the map's own sum of the partials (module docstring)
+        partials = part_statistics(problem, x)
+        mean, var = combine_parts(problem, *partials)
+        map_mean, map_var = combine_parts(problem, *partials, suffix="_map")
     else:
-        mean, var = running_mean, running_var
-    if algorithm != "shifted_parts":
+        mean, var = statistics(problem, x, algorithm) if problem.training else (running_mean, running_var)
         map_mean, map_var = mean, var
     eps = tirx.const(problem.eps, F32)
     save_mean = te.compute(channels, lambda c: mean[c], name="save_mean")

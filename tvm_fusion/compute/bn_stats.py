@@ -185,38 +185,51 @@ def parts(problem, copies: int = 1) -> int:
     return next((p for p in range(1, rows + 1) if rows % p == 0 and rows // p * per_row <= PART_BYTES), rows)
 
 
+def part_sums(problem, copies: int, values, name: str) -> tuple[te.Tensor, te.Tensor]:
+    """Two sums per part of each channel (:func:`parts` for ``copies`` tensors), shape
+    ``(parts, channels)``: ``values(index, c)`` gives the pair summed at a position of
+    the canonical view, whose first axis the parts cut."""
+    idx = index_dtype(problem.numel)
+    count = parts(problem, copies)
+    per = problem.shape[0] // count
+    zero = tirx.IntImm(idx, 0)
+    r = te.reduce_axis((zero, tirx.IntImm(idx, per)), name="r")
+    inner = [] if problem.channels_last else [te.reduce_axis((zero, tirx.IntImm(idx, problem.shape[2])), name="l")]
+
+    def body(p, c):
+        index = (p * per + r, c, *inner)
+        return DUAL_SUM(values(index, c), axis=[r, *inner])
+
+    return te.compute(dims([count, problem.channels], idx), body, name=name)
+
+
+def sum_parts(total: te.Tensor, total_sq: te.Tensor, name: str) -> tuple[te.Tensor, te.Tensor]:
+    """Per channel, the sums of :func:`part_sums`' partials."""
+    k = te.reduce_axis((tirx.IntImm(str(total.shape[0].ty), 0), total.shape[0]), name="k")
+    return te.compute([total.shape[1]], lambda c: DUAL_SUM((total[k, c], total_sq[k, c]), axis=k), name=name)
+
+
 def part_statistics(problem, x: te.Tensor) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
     """``shift`` and the ``part_moments`` (sums of ``d = x - shift`` and ``d^2``) of
     each of a channel's :func:`parts`, shape ``(parts, channels)``: the first stage of
     ``shifted_parts``, whose partials :func:`combine_parts` adds up."""
     idx = index_dtype(problem.numel)
-    count, rows = parts(problem), problem.shape[0]
-    per = rows // count
     zero = tirx.IntImm(idx, 0)
-    r = te.reduce_axis((zero, tirx.IntImm(idx, per)), name="r")
-    if problem.channels_last:
-        shift = te.compute(dims([problem.channels], idx), lambda c: widen(x[zero, c], problem.dtype), name="shift")
-        axes, value = [r], lambda p, c: widen(x[p * per + r, c], problem.dtype)
-    else:
-        l = te.reduce_axis((zero, x.shape[2]), name="l")
-        shift = te.compute(dims([problem.channels], idx), lambda c: widen(x[zero, c, zero], problem.dtype),
-                           name="shift")
-        axes, value = [r, l], lambda p, c: widen(x[p * per + r, c, l], problem.dtype)
 
-    def body(p, c):
-        d = value(p, c) - shift[c]
-        return DUAL_SUM((d, d * d), axis=axes)
+    def first(c):  # K[c], the channel's first value
+        return widen(x[(zero, c) if problem.channels_last else (zero, c, zero)], problem.dtype)
 
-    total, total_sq = te.compute(dims([count, problem.channels], idx), body, name="part_moments")
-    return shift, total, total_sq
+    shift = te.compute(dims([problem.channels], idx), first, name="shift")
+
+    def values(index, c):
+        d = widen(x[index], problem.dtype) - shift[c]
+        return d, d * d
+
+    return (shift, *part_sums(problem, 1, values, "part_moments"))
 
 
 def combine_parts(problem, shift: te.Tensor, total: te.Tensor, total_sq: te.Tensor,
                   suffix: str = "") -> tuple[te.Tensor, te.Tensor]:
     """``(mean, var)`` per channel from :func:`part_statistics`' partials: their sums
     (block ``moments`` + ``suffix``), then :func:`finalize`."""
-    idx = index_dtype(problem.numel)
-    k = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, parts(problem))), name="k")
-    sums = te.compute([total.shape[1]], lambda c: DUAL_SUM((total[k, c], total_sq[k, c]), axis=k),
-                      name="moments" + suffix)
-    return finalize(problem, shift, *sums, suffix=suffix)
+    return finalize(problem, shift, *sum_parts(total, total_sq, "moments" + suffix), suffix=suffix)
