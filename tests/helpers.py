@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 
 import numpy as np
 
@@ -172,8 +173,8 @@ def check_channel_block_source(kernel, problem, knobs, output: str, shuffles: bo
     """The CUDA code of a block-per-channel BatchNorm kernel: shuffles when it
     reduces, no atomics, no buffer beyond its parameters (a grid-split candidate's
     workspace aside), no barrier under a thread guard nor a shared store by every
-    thread, and 16-byte loads of x and stores of ``output`` when the vector knob says
-    16 bytes."""
+    thread, and 16-byte loads of x (or 16-byte ``cp.async`` copies of it, the
+    pipelined rounds') and stores of ``output`` when the vector knob says 16 bytes."""
     from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
 
     from tvm_fusion.contracts.common import DTYPE_BYTES
@@ -185,7 +186,8 @@ def check_channel_block_source(kernel, problem, knobs, output: str, shuffles: bo
     assert "TVMBackendAllocWorkspace" not in kernel.executable.mod.inspect_source()
     assert not barriers_under_a_guard(source) and not shared_stores_by_every_thread(source)
     if knobs.vector * DTYPE_BYTES[problem.dtype] == 16:
-        assert "*(uint4*)(x_ptr" in source and f"*(uint4*)({output}_ptr" in source, knobs
+        copied = re.search(r"ptx_cp_async\w*_16_\w*\([^;]*\bx_ptr,", source)
+        assert ("*(uint4*)(x_ptr" in source or copied) and f"*(uint4*)({output}_ptr" in source, knobs
 
 
 def check_compiles_without_spills(kernel) -> None:

@@ -166,7 +166,8 @@ def test_problem_round_trips_and_eval_takes_no_momentum():
         names = [p.name for p in func.params]
         outputs = ["y", "save_mean", "save_invstd"] + (["running_mean_out", "running_var_out"] if training else [])
         assert ("momentum" in names) == training and names[-len(outputs):] == outputs
-        assert algorithms_for(problem) == (("shifted", "shifted_sampled", "shifted_parts") if training else ("running",))
+        training_algorithms = ("shifted", "shifted_sampled", "shifted_parts", "shifted_half_parts")
+        assert algorithms_for(problem) == (training_algorithms if training else ("running",))
 
 
 # -- CUDA: the generated code here, the kernels on a GPU -----------------------------------

@@ -175,25 +175,26 @@ def test_bn_forward_training_decompositions(algorithm, shape, layout):
         assert_close(got.reshape(want[name].shape), want[name], tol["rtol"], tol["atol"], name)
 
 
+@pytest.mark.parametrize("algorithm, copies", [("shifted_parts", 1), ("shifted_half_parts", 2)])
 @pytest.mark.parametrize("shape, layout, parts", [((6, 4, 5), "NCHW", 3), ((6, 5, 3, 2), "NHWC", 2)])
-def test_bn_forward_shifted_parts_with_several_parts(monkeypatch, shape, layout, parts):
-    """``shifted_parts`` cut into several parts (a part's byte limit lowered so that
-    these small shapes have them): the partials added up twice give the float64
-    outputs."""
+def test_bn_forward_shifted_parts_with_several_parts(monkeypatch, shape, layout, parts, algorithm, copies):
+    """``shifted_parts`` and ``shifted_half_parts`` cut into several parts (a part's
+    byte limit lowered so that these small shapes have them; the half parts' copies
+    count twice): the partials added up twice give the float64 outputs."""
     from tvm_fusion.compute import bn_stats
     from tvm_fusion.contracts import bn_forward as ref
     from tvm_fusion.contracts.bn_forward import bn_forward_problem
 
     problem = bn_forward_problem(shape, "float32", layout)
-    per_row = problem.count // problem.shape[0] * 4
+    per_row = copies * problem.count // problem.shape[0] * 4
     monkeypatch.setattr(bn_stats, "PART_BYTES", problem.shape[0] // parts * per_row)
-    assert bn_stats.parts(problem) == parts
+    assert bn_stats.parts(problem, copies) == parts
     gen = rng()
     x = random_floats(gen, shape, "float32", loc=3.0, scale=2.0)
     c = problem.channels
     weight, bias = gen.standard_normal(c).astype("float32"), gen.standard_normal(c).astype("float32")
     running_mean, running_var = gen.standard_normal(c).astype("float32"), (gen.random(c) + 0.5).astype("float32")
-    outs = run_unscheduled(prim_func(problem, "shifted_parts"),
+    outs = run_unscheduled(prim_func(problem, algorithm),
                            [x, weight, bias, running_mean, running_var, np.array(0.2, "float32")])
     want = ref.reference(x, weight, bias, running_mean, running_var, 0.2, problem)
     tol = TOLERANCES["float32"]
@@ -221,25 +222,26 @@ def test_bn_backward_decompositions(algorithm, shape, layout):
         assert_close(got.reshape(expected.shape), expected, tol["rtol"], tol["atol"], name)
 
 
+@pytest.mark.parametrize("algorithm, copies", [("dual_reduce_parts", 2), ("dual_reduce_half_parts", 4)])
 @pytest.mark.parametrize("shape, layout, parts", [((6, 4, 5), "NCHW", 3), ((6, 5, 3, 2), "NHWC", 2)])
-def test_bn_backward_dual_reduce_parts_with_several_parts(monkeypatch, shape, layout, parts):
-    """``dual_reduce_parts`` cut into several parts (a part's byte limit lowered so that
-    these small shapes have them): the partials added up twice give the float64
-    gradients."""
+def test_bn_backward_dual_reduce_parts_with_several_parts(monkeypatch, shape, layout, parts, algorithm, copies):
+    """``dual_reduce_parts`` and ``dual_reduce_half_parts`` cut into several parts (a
+    part's byte limit lowered so that these small shapes have them): the partials
+    added up twice give the float64 gradients."""
     from tvm_fusion.compute import bn_stats
     from tvm_fusion.contracts import bn_backward as ref
     from tvm_fusion.contracts.bn_backward import bn_backward_problem
 
     problem = bn_backward_problem(shape, "float32", layout, True, True)
-    per_row = 2 * problem.count // problem.shape[0] * 4  # x and dy
+    per_row = copies * problem.count // problem.shape[0] * 4  # x and dy, twice for half parts
     monkeypatch.setattr(bn_stats, "PART_BYTES", problem.shape[0] // parts * per_row)
-    assert bn_stats.parts(problem, copies=2) == parts
+    assert bn_stats.parts(problem, copies) == parts
     gen = rng()
     x, dy = random_floats(gen, shape, "float32", loc=0.5, scale=2.0), random_floats(gen, shape, "float32")
     c = problem.channels
     mean, invstd = gen.standard_normal(c).astype("float32"), (gen.random(c) + 0.5).astype("float32")
     weight = gen.standard_normal(c).astype("float32")
-    got = run_unscheduled(prim_func(problem, "dual_reduce_parts"), [x, dy, mean, invstd, weight])
+    got = run_unscheduled(prim_func(problem, algorithm), [x, dy, mean, invstd, weight])
     want = ref.reference(x, dy, mean, invstd, weight, layout, True)
     tol = TOLERANCES["float32"]
     for name, value, expected in zip(("dx", "dweight", "dbias"), got, want):

@@ -535,6 +535,7 @@ SEARCHED_SHAPES = {
     "bn_forward": [((8, 64, 16, 16), "float16", {}), ((8, 16, 16, 64), "bfloat16", {"layout": "NHWC"}),
                    ((2, 32, 256, 256), "float32", {}), ((256, 64, 2, 2), "float16", {}),
                    ((64, 2048, 7, 7), "float16", {}), ((16, 8, 60, 60), "float32", {}),
+                   ((16, 8, 64, 64), "float32", {}),
                    ((8, 64, 16, 16), "float16", {"training": False}),
                    ((8, 16, 16, 64), "bfloat16", {"layout": "NHWC", "training": False})],
     "bn_backward": [((8, 64, 16, 16), "float16", {}), ((8, 16, 16, 64), "bfloat16", {"layout": "NHWC"}),

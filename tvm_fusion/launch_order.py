@@ -43,7 +43,7 @@ from typing import Any
 import tvm
 from tvm import tirx
 
-from . import grid_barrier
+from . import async_rounds, grid_barrier
 from .compute import PARTITION_LIKELY_ATTR
 
 # The annotation key. ``pragma_`` keys survive TVM's block lowering as an attribute
@@ -162,15 +162,20 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
     reversed and grid barriers inserted (:func:`marked_loops`); with loop partition on
     const loops where a function asks for it (the
     :data:`~tvm_fusion.compute.PARTITION_LIKELY_ATTR` attribute of the decompositions in
-    :data:`~tvm_fusion.compute.PARTITION_LIKELY`)."""
-    config = dict(ctx.config)
+    :data:`~tvm_fusion.compute.PARTITION_LIKELY`), and pipelined rounds lowered as
+    :mod:`tvm_fusion.async_rounds` says where one asks for that."""
+    config, disabled = dict(ctx.config), [*ctx.disabled_pass, *TAIL]
     if any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and f.attrs.get(PARTITION_LIKELY_ATTR)
            for f in mod.functions.values()):
         config["s_tir.LoopPartition"] = {"partition_const_loop": True}
+    pipelined = async_rounds.wanted(mod)
+    if pipelined:
+        config, disabled = async_rounds.lowering_config(config, disabled)
     with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
-                                   disabled_pass=[*ctx.disabled_pass, *TAIL], config=config,
-                                   instruments=list(ctx.instruments)):
+                                   disabled_pass=disabled, config=config, instruments=list(ctx.instruments)):
         mod = pipeline(mod)
+        if pipelined:
+            mod = async_rounds.lower_allreduce(mod)
     return marked_loops(mod)
 
 

@@ -71,6 +71,11 @@ def te_tensors(problem: Problem, algorithm: str | None = None) -> list[te.Tensor
 # (launch_order.lowered), which splits such a loop at H, each part without the test.
 PARTITION_LIKELY = ("fused_head",)
 PARTITION_LIKELY_ATTR = "tvm_fusion.partition_likely"
+# Decompositions whose schedules pipeline a persistent kernel's rounds (the next part
+# copied in with cp.async while this one is reduced and mapped): the build lowers them
+# as :mod:`tvm_fusion.async_rounds` says.
+ASYNC_ROUNDS = ("shifted_half_parts", "dual_reduce_half_parts")
+ASYNC_ROUNDS_ATTR = "tvm_fusion.async_rounds"
 
 
 def prim_func(problem: Problem, algorithm: str | None = None) -> tirx.PrimFunc:
@@ -89,6 +94,8 @@ def prim_func(problem: Problem, algorithm: str | None = None) -> tirx.PrimFunc:
     }
     if algorithm in PARTITION_LIKELY:
         attrs[PARTITION_LIKELY_ATTR] = True
+    if algorithm in ASYNC_ROUNDS:
+        attrs[ASYNC_ROUNDS_ATTR] = True
     return func.with_attrs(attrs)
 
 

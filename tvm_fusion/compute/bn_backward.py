@@ -20,6 +20,10 @@ map's coefficients (``grad_sums_map``) and for ``dbias`` and ``dweight``
 channel after its grid barrier, the second in a kernel after it
 (``bn_backward_grid_persistent``).
 
+``dual_reduce_half_parts``  ``dual_reduce_parts`` with parts of at most half the bytes,
+so that a schedule keeps two parts of x and dy on chip at once: the ones it reduces and
+maps, and the next ones it copies in meanwhile (``bn_backward_grid_pipelined``).
+
 Block names are what schedules refer to.
 """
 
@@ -31,7 +35,10 @@ from ..contracts.bn_backward import BNBackwardProblem
 from .bn_stats import part_sums, sum_parts
 from .primitives import DUAL_SUM, dims, index_dtype, widen
 
-ALGORITHMS = ("dual_reduce", "dual_reduce_parts")
+ALGORITHMS = ("dual_reduce", "dual_reduce_parts", "dual_reduce_half_parts")
+# The parts decompositions, and how many part-sized copies (of x and dy) each keeps
+# on chip (``bn_stats.parts``).
+PART_COPIES = {"dual_reduce_parts": 2, "dual_reduce_half_parts": 4}
 F32 = "float32"
 
 
@@ -88,12 +95,12 @@ def bn_backward_te(problem: BNBackwardProblem, algorithm: str = "dual_reduce") -
         xhat = (widen(x[at(c)], problem.dtype) - mean[c]) * invstd[c]
         return DUAL_SUM((g, g * xhat), axis=axes)
 
-    if algorithm == "dual_reduce_parts":
+    if algorithm in PART_COPIES:
         def values(index, c):
             g = widen(dy[index], problem.dtype)
             return g, g * ((widen(x[index], problem.dtype) - mean[c]) * invstd[c])
 
-        partials = part_sums(problem, 2, values, "part_grad_sums")
+        partials = part_sums(problem, PART_COPIES[algorithm], values, "part_grad_sums")
         sum_dy, sum_dy_xhat = sum_parts(*partials, "grad_sums")
         map_dy, map_dy_xhat = sum_parts(*partials, "grad_sums_map")
     else:

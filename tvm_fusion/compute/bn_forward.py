@@ -19,6 +19,11 @@ per-channel outputs (``moments`` -> ``mean``, ``var``): a grid-wide persistent s
 computes the first in every block of a channel after its grid barrier and the second
 in a kernel after it (``bn_forward_grid_persistent``).
 
+``shifted_half_parts`` (training): ``shifted_parts`` with parts of at most half the
+bytes, so that a schedule keeps two parts of a block on chip at once: the one it
+reduces and maps, and the next one it copies in meanwhile
+(``bn_forward_grid_pipelined``).
+
 ``running`` (eval): the same map, ``mean`` and ``var`` read from the running
 statistics (no reduction).
 
@@ -33,7 +38,10 @@ from ..contracts.bn_forward import BNForwardProblem
 from .bn_stats import combine_parts, part_statistics, statistics
 from .primitives import dims, index_dtype, widen
 
-ALGORITHMS = ("shifted", "shifted_sampled", "shifted_parts", "running")
+ALGORITHMS = ("shifted", "shifted_sampled", "shifted_parts", "shifted_half_parts", "running")
+# The parts decompositions, and how many copies of a part of x each keeps on chip
+# (``bn_stats.parts``).
+PART_COPIES = {"shifted_parts": 1, "shifted_half_parts": 2}
 F32 = "float32"
 
 
@@ -47,7 +55,7 @@ def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> li
     (training: "shifted" by default; eval: "running")."""
     algorithm = algorithm or default_algorithm(problem)
     if algorithm not in ALGORITHMS or (algorithm == "running") == problem.training:
-        wanted = "shifted, shifted_sampled or shifted_parts" if problem.training else "running"
+        wanted = "shifted, shifted_sampled, shifted_parts or shifted_half_parts" if problem.training else "running"
         raise ValueError(f"bn_forward: {'training' if problem.training else 'eval'} takes algorithm {wanted}, "
                          f"got {algorithm!r}")
     idx = index_dtype(problem.numel)
@@ -67,8 +75,8 @@ def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> li
         momentum = te.placeholder([], F32, name="momentum")
         params.append(momentum)
 
-    if algorithm == "shifted_parts":  # the map's own sum of the partials (module docstring)
-        partials = part_statistics(problem, x)
+    if algorithm in PART_COPIES:  # the map's own sum of the partials (module docstring)
+        partials = part_statistics(problem, x, PART_COPIES[algorithm])
         mean, var = combine_parts(problem, *partials)
         map_mean, map_var = combine_parts(problem, *partials, suffix="_map")
     else:

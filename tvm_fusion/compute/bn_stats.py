@@ -177,8 +177,8 @@ PART_BYTES = 200 * 1024
 
 
 def parts(problem, copies: int = 1) -> int:
-    """How many parts ``part_statistics`` (and the backward's ``dual_reduce_parts``)
-    cut each channel into along the first axis (N, or M channels-last): the fewest that
+    """How many parts ``part_statistics`` (and the backward's ``dual_reduce_parts`` and
+    ``dual_reduce_half_parts``) cut each channel into along the first axis (N, or M channels-last): the fewest that
     divide it with ``copies`` tensors' parts in at most ``PART_BYTES``, else one row of
     it a part."""
     rows, per_row = problem.shape[0], copies * problem.count // problem.shape[0] * DTYPE_BYTES[problem.dtype]
@@ -209,10 +209,11 @@ def sum_parts(total: te.Tensor, total_sq: te.Tensor, name: str) -> tuple[te.Tens
     return te.compute([total.shape[1]], lambda c: DUAL_SUM((total[k, c], total_sq[k, c]), axis=k), name=name)
 
 
-def part_statistics(problem, x: te.Tensor) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
+def part_statistics(problem, x: te.Tensor, copies: int = 1) -> tuple[te.Tensor, te.Tensor, te.Tensor]:
     """``shift`` and the ``part_moments`` (sums of ``d = x - shift`` and ``d^2``) of
-    each of a channel's :func:`parts`, shape ``(parts, channels)``: the first stage of
-    ``shifted_parts``, whose partials :func:`combine_parts` adds up."""
+    each of a channel's :func:`parts` (for ``copies`` of a part on chip), shape
+    ``(parts, channels)``: the first stage of ``shifted_parts`` and
+    ``shifted_half_parts``, whose partials :func:`combine_parts` adds up."""
     idx = index_dtype(problem.numel)
     zero = tirx.IntImm(idx, 0)
 
@@ -225,7 +226,7 @@ def part_statistics(problem, x: te.Tensor) -> tuple[te.Tensor, te.Tensor, te.Ten
         d = widen(x[index], problem.dtype) - shift[c]
         return d, d * d
 
-    return (shift, *part_sums(problem, 1, values, "part_moments"))
+    return (shift, *part_sums(problem, copies, values, "part_moments"))
 
 
 def combine_parts(problem, shift: te.Tensor, total: te.Tensor, total_sq: te.Tensor,

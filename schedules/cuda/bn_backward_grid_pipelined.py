@@ -1,0 +1,47 @@
+"""BatchNorm's training backward as one grid-wide persistent kernel with pipelined
+rounds: the next round's parts of x and dy copied in (``cp.async``) while this round's
+are reduced, wait at the grid barrier and are mapped.
+
+Pattern: ``bn_backward_grid_persistent``'s (``x, dy(SRR) -> parts on chip -> part (sum
+dy, sum dy * xhat)(SS) | grid barrier | sums(S) -> coef(S) -> dx(SSS) from chip``) on
+the ``dual_reduce_half_parts`` decomposition: parts of x and dy of at most 100 KB
+together, so that two rounds' fit a block's shared memory. Round r of a block: round
+r + 1's parts copied into the other half of shared memory (``cp.async``), then wait for
+round r's, its partial sums, the grid barrier, dx's coefficients and dx from the
+copies; :mod:`tvm_fusion.async_rounds` pipelines the round loop.
+
+Why: ``bn_backward_grid_persistent``'s rounds are a read phase, then a reduction and a
+barrier, then a write phase (``bn_forward_grid_pipelined`` says what the H100 showed).
+The cost: twice the rounds and barriers (16 on 64x256x56x56 fp16, P = 8 and G = 128).
+"""
+
+from __future__ import annotations
+
+from tvm.target import Target
+
+from tvm_fusion import async_rounds
+from tvm_fusion.contracts import BNBackwardProblem
+from tvm_fusion.registry import register
+
+from .common import reads_16_bytes
+from .bn_backward_grid_persistent import BNBackwardGridPersistent
+
+
+@register
+class BNBackwardGridPipelined(BNBackwardGridPersistent):
+    name = "bn_backward_grid_pipelined"
+    algorithm = "dual_reduce_half_parts"
+    copies = 4  # this round's parts of x and dy and the next one's
+
+    def applies(self, problem) -> bool:
+        # cp.async copies 16 bytes a lane (4 or 8 at most from narrower vectors).
+        return super().applies(problem) and reads_16_bytes(problem.dtype, problem.shape[2])
+
+    def prefers(self, problem, target: Target) -> bool:
+        return False  # unmeasured: the tuner chooses it
+
+    def schedule(self, sch, problem: BNBackwardProblem, knobs) -> None:
+        super().schedule(sch, problem, knobs)
+        copies = [sch.get_sblock(name) for name in ("x_shared.dyn", "dy_shared.dyn")]
+        after = sch.get_sblock("grad_sums_map") if async_rounds.ISSUE_AFTER_THE_BARRIER else None
+        async_rounds.pipeline(sch, sch.get_loops(copies[0])[1], copies, [sch.get_sblock("part_grad_sums")], after)

@@ -1,0 +1,54 @@
+"""BatchNorm's training forward as one grid-wide persistent kernel with pipelined
+rounds: the next round's part of x copied in (``cp.async``) while this round's part is
+reduced, waits at the grid barrier and is mapped.
+
+Pattern: ``bn_forward_grid_persistent``'s (``x(SRR) -> part on chip -> part (sum,
+sumsq)(SS) | grid barrier | (sum, sumsq)(S) -> coef(S) -> y(SSS) from chip``) on the
+``shifted_half_parts`` decomposition: parts of at most 100 KB, so that two fit a
+block's shared memory. Round r of a block: round r + 1's part copied into the other
+half of shared memory (``cp.async``, 16 bytes a lane, no registers held), then wait for
+round r's copy, its partial sums, the grid barrier, the map's coefficients and y from
+the copy; :mod:`tvm_fusion.async_rounds` pipelines the round loop and says how the
+build lowers it.
+
+Why: ``bn_forward_grid_persistent`` was 1.50x its floor (read x + write y at the copy
+rate) on an H100 with 64x256x56x56 fp16 (0.1022 ms), and fewer lanes took much longer
+(448 lanes 0.1135 ms, 256 lanes 0.1647): one part on chip makes each round a read phase,
+then a reduction and a barrier, then a write phase, and the memory system idles in
+between. Here the reads of the next round overlap the barrier and the writes. The cost:
+twice the rounds (8 on that shape, P = 4 and G = 128) and twice the barriers.
+Predicted on that shape: close to the copy rate, about 0.075 ms on the H100.
+Rejected: holding the next part in registers (100 KB a block is 28 registers a lane at
+896 lanes, past the 73 a lane that many lanes leave).
+"""
+
+from __future__ import annotations
+
+from tvm.target import Target
+
+from tvm_fusion import async_rounds
+from tvm_fusion.contracts import BNForwardProblem
+from tvm_fusion.registry import register
+
+from .common import reads_16_bytes
+from .bn_forward_grid_persistent import BNForwardGridPersistent
+
+
+@register
+class BNForwardGridPipelined(BNForwardGridPersistent):
+    name = "bn_forward_grid_pipelined"
+    algorithm = "shifted_half_parts"
+    copies = 2  # this round's part and the next one's
+
+    def applies(self, problem) -> bool:
+        # cp.async copies 16 bytes a lane (4 or 8 at most from narrower vectors).
+        return super().applies(problem) and reads_16_bytes(problem.dtype, problem.shape[2])
+
+    def prefers(self, problem, target: Target) -> bool:
+        return False  # unmeasured: the tuner chooses it
+
+    def schedule(self, sch, problem: BNForwardProblem, knobs) -> None:
+        super().schedule(sch, problem, knobs)
+        copy = sch.get_sblock("x_shared.dyn")
+        after = sch.get_sblock("moments_map") if async_rounds.ISSUE_AFTER_THE_BARRIER else None
+        async_rounds.pipeline(sch, sch.get_loops(copy)[1], [copy], [sch.get_sblock("part_moments")], after)
