@@ -6,7 +6,8 @@ Why: with one copy of a part on chip, each round of ``bn_forward_grid_persistent
 read phase, then the block's reduction and the grid barrier, then a write phase; the
 memory system idles in between, and the kernels ran at 1.5x their floor on an H100
 (their docstrings). With two copies, the reads of round r + 1 are in flight during
-round r's barrier and writes.
+round r's barrier and writes. On the H100 the pipelined kernels were 3-6% slower than
+the unpipelined ones (``bn_forward_grid_pipelined`` says what that points to).
 
 Schedule side, :func:`pipeline`: TVM's software pipeline on the round loop, the part's
 copies in stage 0 (asynchronous), everything else in stage 1. TVM's
@@ -44,11 +45,13 @@ STAGE = "software_pipeline_stage"
 ORDER = "software_pipeline_order"
 ASYNC_STAGES = "software_pipeline_async_stages"
 LOWER_ALLREDUCE = "s_tir.LowerThreadAllreduce"
-# Why the combine's statement (``after``): a grid barrier fences memory in one thread a
-# block, and that thread's fence waited for its own copies still in flight, so copies
-# issued before the barrier held every block there until the next round's reads were
-# done, and the writes after it overlapped nothing (bn_forward_grid_pipelined's
-# docstring: as slow as one copy a round). Issued after it, they overlap the map's writes.
+# The next round's copies go after the grid barrier (the combine's statement, ``after``),
+# not at the round's start. Why it was tried: the barrier fences memory in one thread a
+# block, and that fence may wait for the thread's copies in flight, holding the block
+# there until the next round's reads are done. Measured on an H100 (2026-12-05T16:51Z,
+# bn_forward_grid_pipelined's docstring): the same time on fp16 (0.1035 ms against
+# 0.1040 on 64x256x56x56), 7% less on fp32 (0.1917 against 0.2059). False builds the
+# first version (an A/B switch for a probe; schedules read it when they run).
 ISSUE_AFTER_THE_BARRIER = True
 # LowerCrossThreadReduction turns a cross-thread reduction into four statements (the
 # in-thread init and loop, the cross-thread step, the write-back), and the pipeline's

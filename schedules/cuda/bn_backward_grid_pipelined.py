@@ -11,8 +11,16 @@ round r's, its partial sums, the grid barrier, dx's coefficients and dx from the
 copies; :mod:`tvm_fusion.async_rounds` pipelines the round loop.
 
 Why: ``bn_backward_grid_persistent``'s rounds are a read phase, then a reduction and a
-barrier, then a write phase (``bn_forward_grid_pipelined`` says what the H100 showed).
-The cost: twice the rounds and barriers (16 on 64x256x56x56 fp16, P = 8 and G = 128).
+barrier, then a write phase. The cost: twice the rounds and barriers (16 on
+64x256x56x56 fp16, P = 8 and G = 128), and 448 lanes there (the whole warps that split
+a 50 KB part).
+
+Measured (H100, 2026-12-05T16:51Z, rows "probe: pipelined grid-wide BatchNorm" of
+results/benchmarks.csv), forward + backward, ms: ``bn_forward_grid_persistent`` with
+this candidate against with ``bn_backward_grid_persistent``: 64x256x56x56 fp16 0.2781
+against 0.2584, bf16 0.2791 against 0.2679, 32x64x112x112 fp16 0.1482 against 0.1340,
+64x256x56x56 fp32 0.5065 against 0.4908. Slower everywhere, for the reason
+``bn_forward_grid_pipelined`` gives; dispatch does not prefer it.
 """
 
 from __future__ import annotations

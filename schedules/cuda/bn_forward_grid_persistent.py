@@ -35,7 +35,10 @@ fp16 0.0534 against 0.0586, 64x256x56x56 fp32 0.1820 against 0.2130: 7-15% less,
 25%. 0.1022 ms is 1.50x the forward's floor there (two input sizes at the copy rate).
 Why it missed, as far as the knobs tell: one block an SM makes each round a read phase
 then a write phase, no overlap inside an SM; fewer lanes take longer (448: 0.1135, 256:
-0.1647, 128: 0.2483), and half the grid (64 blocks) 0.1395. The default wherever its
+0.1647, 128: 0.2483), and half the grid (64 blocks) 0.1395. That reading was tested by
+``bn_forward_grid_pipelined`` (the next round's part copied in meanwhile, cp.async): it
+was 3-6% slower, so the phases are not what limits this kernel; its docstring says what
+the numbers fit instead (a fixed cost of 3.5-4.5 us a round). The default wherever its
 grid fills the SMs (``prefers``); the shipped records still decide their shapes.
 """
 

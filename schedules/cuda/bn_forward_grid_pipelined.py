@@ -20,6 +20,22 @@ twice the rounds (8 on that shape, P = 4 and G = 128) and twice the barriers.
 Predicted on that shape: close to the copy rate, about 0.075 ms on the H100.
 Rejected: holding the next part in registers (100 KB a block is 28 registers a lane at
 896 lanes, past the 73 a lane that many lanes leave).
+
+Measured (H100, 2026-12-05T16:51Z, rows "probe: pipelined grid-wide BatchNorm" of
+results/benchmarks.csv, copy 2992 GB/s, each kernel checked against float64 first),
+ms, this candidate's default against ``bn_forward_grid_persistent``'s in the same run:
+64x256x56x56 fp16 0.1035 against 0.1004, bf16 0.1047 against 0.0992, 32x64x112x112
+fp16 0.0559 against 0.0528, 64x256x56x56 fp32 0.1917 against 0.1831; forward +
+backward with ``bn_backward_grid_pipelined`` 0.2807 against 0.2584 (fp16). **Slower
+everywhere: the prediction missed.** The copies issued at the round's start (the first
+version, ``async_rounds.ISSUE_AFTER_THE_BARRIER`` off) took the same on fp16 (0.1040)
+and longer on fp32 (0.2059). What the numbers fit: a fixed cost a round of about 3.5-4.5
+us (the grid barrier, the block's reduction, the partials' loads after it), which the
+doubled rounds pay twice while the overlap saves about as much; with 8 and 16 rounds
+against 4 and 8, fp16 and fp32 give 4.4 and 3.4 us if the pipelined kernel streams at
+the copy rate. Unconfirmed (no profiler on the host). Where that points: a cheaper
+synchronisation a round (the P blocks of a channel waiting on each other, not the whole
+grid), not more overlap. So dispatch does not prefer it; the tuner may pick it.
 """
 
 from __future__ import annotations
