@@ -208,15 +208,20 @@ BACKWARD_GPU_CASES = [((64, 256, 56, 56), "float16", True), ((32, 64, 112, 112),
                       ((16, 8, 64, 64), "float32", True), ((1024, 3, 15, 15), "float16", False)]
 
 
+def check_backward_knobs_on_gpu(p, cand) -> None:
+    """Each knob sample of the backward ``cand`` (:func:`configs`) on the GPU against
+    the float64 reference, |mean| >> std, outputs poisoned before the run."""
+    import test_bn_backward as ref
+
+    gen = rng()
+    for knobs in configs(cand, p):
+        kernel = build_kernel(p, targets.resolve("cuda"), cand.name, knobs)
+        x, dy, mean, invstd, weight = ref.inputs(gen, p, p.dtype, shift=3.0)
+        outs = run_poisoned(kernel, ref.kernel_args(p, x, dy, mean, invstd, weight), tvm.cuda(0))
+        ref.check(outs, x, dy, mean, invstd, weight, p, f"{cand.name} {knobs}")
+
+
 @on_gpu
 @pytest.mark.parametrize("shape, dtype, affine", BACKWARD_GPU_CASES)
 def test_backward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, affine):
-    import test_bn_backward as ref
-
-    p = backward_problem(shape, dtype, affine)
-    gen = rng()
-    for knobs in configs(BACKWARD, p):
-        kernel = build_kernel(p, targets.resolve("cuda"), BACKWARD.name, knobs)
-        x, dy, mean, invstd, weight = ref.inputs(gen, p, p.dtype, shift=3.0)
-        outs = run_poisoned(kernel, ref.kernel_args(p, x, dy, mean, invstd, weight), tvm.cuda(0))
-        ref.check(outs, x, dy, mean, invstd, weight, p, f"{BACKWARD.name} {knobs}")
+    check_backward_knobs_on_gpu(backward_problem(shape, dtype, affine), BACKWARD)

@@ -13,9 +13,9 @@ import re
 import pytest
 import tvm
 
-from helpers import check_threads_decisions_replay, needs_nvcc, on_gpu, rng, run_poisoned
+from helpers import check_threads_decisions_replay, needs_nvcc, on_gpu
 from test_bn_forward import check_knobs_on_gpu
-from test_bn_grid_persistent import backward_problem, configs, kernel_bodies, problem
+from test_bn_grid_persistent import backward_problem, check_backward_knobs_on_gpu, configs, kernel_bodies, problem
 from tvm_fusion import async_rounds, registry, targets
 from tvm_fusion.compute import bn_stats
 from tvm_fusion.kernel import build_kernel
@@ -157,12 +157,4 @@ BACKWARD_GPU_CASES = [((64, 256, 56, 56), "float16", True), ((32, 64, 112, 112),
 @on_gpu
 @pytest.mark.parametrize("shape, dtype, affine", BACKWARD_GPU_CASES)
 def test_backward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, affine):
-    import test_bn_backward as ref
-
-    p = backward_problem(shape, dtype, affine)
-    gen = rng()
-    for knobs in configs(BACKWARD, p):
-        kernel = build_kernel(p, targets.resolve("cuda"), BACKWARD.name, knobs)
-        x, dy, mean, invstd, weight = ref.inputs(gen, p, p.dtype, shift=3.0)
-        outs = run_poisoned(kernel, ref.kernel_args(p, x, dy, mean, invstd, weight), tvm.cuda(0))
-        ref.check(outs, x, dy, mean, invstd, weight, p, f"{BACKWARD.name} {knobs}")
+    check_backward_knobs_on_gpu(backward_problem(shape, dtype, affine), BACKWARD)

@@ -25,31 +25,15 @@ against 0.2584, bf16 0.2791 against 0.2679, 32x64x112x112 fp16 0.1482 against 0.
 
 from __future__ import annotations
 
-from tvm.target import Target
-
-from tvm_fusion import async_rounds
-from tvm_fusion.contracts import BNBackwardProblem
 from tvm_fusion.registry import register
 
-from .common import reads_16_bytes
 from .bn_backward_grid_persistent import BNBackwardGridPersistent
+from .bn_forward_grid_persistent import PipelinedRounds
 
 
 @register
-class BNBackwardGridPipelined(BNBackwardGridPersistent):
+class BNBackwardGridPipelined(PipelinedRounds, BNBackwardGridPersistent):
     name = "bn_backward_grid_pipelined"
     algorithm = "dual_reduce_half_parts"
     copies = 4  # this round's parts of x and dy and the next one's
-
-    def applies(self, problem) -> bool:
-        # cp.async copies 16 bytes a lane (4 or 8 at most from narrower vectors).
-        return super().applies(problem) and reads_16_bytes(problem.dtype, problem.shape[2])
-
-    def prefers(self, problem, target: Target) -> bool:
-        return False  # unmeasured: the tuner chooses it
-
-    def schedule(self, sch, problem: BNBackwardProblem, knobs) -> None:
-        super().schedule(sch, problem, knobs)
-        copies = [sch.get_sblock(name) for name in ("x_shared.dyn", "dy_shared.dyn")]
-        after = sch.get_sblock("grad_sums_map") if async_rounds.ISSUE_AFTER_THE_BARRIER else None
-        async_rounds.pipeline(sch, sch.get_loops(copies[0])[1], copies, [sch.get_sblock("part_grad_sums")], after)
+    on_chip, partial, combine = ("x_shared.dyn", "dy_shared.dyn"), "part_grad_sums", "grad_sums_map"

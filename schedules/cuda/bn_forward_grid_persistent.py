@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
-from tvm_fusion import grid_barrier
+from tvm_fusion import async_rounds, grid_barrier
 from tvm_fusion.compute.bn_forward import channel_outputs
 from tvm_fusion.compute.bn_stats import PART_BYTES, parts
 from tvm_fusion.contracts import BNForwardProblem
@@ -57,7 +57,7 @@ from tvm_fusion.registry import Candidate, Knobs, register
 from tvm_fusion.targets import sm_count
 
 from ..common import lanes_split, merge_rows, outputs_to, read_index, stage_in_registers, thread_reduce
-from .common import store_vectors, vector_choices, widest_vector
+from .common import reads_16_bytes, store_vectors, vector_choices, widest_vector
 
 LANES = range(128, 1025, 32)  # threads a block may have: whole warps, up to 1024
 OUTPUT_THREADS = 128  # the second kernel's block: a thread a channel
@@ -200,6 +200,32 @@ class GridPersistentCandidate(Candidate):
         return GridPersistentKnobs(threads=thread_choices(problem, self.copies)[-1],
                                    vector=widest_vector(problem.dtype, problem.shape[2]),
                                    grid=grid_choices(problem, target, self.copies)[-1])
+
+
+class PipelinedRounds:
+    """What the pipelined grid-wide candidates (``bn_forward_grid_pipelined``,
+    ``bn_backward_grid_pipelined``) add to the grid-wide ones they derive from: 16-byte
+    copies only (cp.async takes 4, 8 or 16 bytes a lane), never the heuristic's pick
+    (slower than the unpipelined kernels on every shape the H100 timed), and the round
+    loop pipelined after their schedule (:mod:`tvm_fusion.async_rounds`). ``on_chip``:
+    the copies' blocks; ``partial``: the partial sums (a cross-thread reduction);
+    ``combine``: the partials' sum after the grid barrier."""
+
+    on_chip: tuple[str, ...]
+    partial: str
+    combine: str
+
+    def applies(self, problem) -> bool:
+        return super().applies(problem) and reads_16_bytes(problem.dtype, problem.shape[2])
+
+    def prefers(self, problem, target: Target) -> bool:
+        return False
+
+    def schedule(self, sch, problem, knobs) -> None:
+        super().schedule(sch, problem, knobs)
+        copies = [sch.get_sblock(name) for name in self.on_chip]
+        after = sch.get_sblock(self.combine) if async_rounds.ISSUE_AFTER_THE_BARRIER else None
+        async_rounds.pipeline(sch, sch.get_loops(copies[0])[1], copies, [sch.get_sblock(self.partial)], after)
 
 
 @register

@@ -40,31 +40,14 @@ grid), not more overlap. So dispatch does not prefer it; the tuner may pick it.
 
 from __future__ import annotations
 
-from tvm.target import Target
-
-from tvm_fusion import async_rounds
-from tvm_fusion.contracts import BNForwardProblem
 from tvm_fusion.registry import register
 
-from .common import reads_16_bytes
-from .bn_forward_grid_persistent import BNForwardGridPersistent
+from .bn_forward_grid_persistent import BNForwardGridPersistent, PipelinedRounds
 
 
 @register
-class BNForwardGridPipelined(BNForwardGridPersistent):
+class BNForwardGridPipelined(PipelinedRounds, BNForwardGridPersistent):
     name = "bn_forward_grid_pipelined"
     algorithm = "shifted_half_parts"
     copies = 2  # this round's part and the next one's
-
-    def applies(self, problem) -> bool:
-        # cp.async copies 16 bytes a lane (4 or 8 at most from narrower vectors).
-        return super().applies(problem) and reads_16_bytes(problem.dtype, problem.shape[2])
-
-    def prefers(self, problem, target: Target) -> bool:
-        return False  # unmeasured: the tuner chooses it
-
-    def schedule(self, sch, problem: BNForwardProblem, knobs) -> None:
-        super().schedule(sch, problem, knobs)
-        copy = sch.get_sblock("x_shared.dyn")
-        after = sch.get_sblock("moments_map") if async_rounds.ISSUE_AFTER_THE_BARRIER else None
-        async_rounds.pipeline(sch, sch.get_loops(copy)[1], [copy], [sch.get_sblock("part_moments")], after)
+    on_chip, partial, combine = ("x_shared.dyn",), "part_moments", "moments_map"
