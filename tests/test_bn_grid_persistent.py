@@ -144,7 +144,7 @@ def test_tuning_space_replays_with_every_decision():
 def configs(cand, p):
     """The default, the fewest lanes on the smallest grid, and one from the middle."""
     space = cand.all_configs(p, CUDA)
-    smallest = min(space, key=lambda k: (k.threads, k.grid))
+    smallest = min(space, key=lambda k: (k.threads, getattr(k, "grid", 0)))
     return list(dict.fromkeys([cand.default_for(p, CUDA), smallest, space[len(space) // 2]]))
 
 

@@ -1,4 +1,5 @@
-"""A grid-wide barrier before a marked loop, and the cooperative launch it needs.
+"""A grid-wide barrier before a marked loop, and the cooperative launch it needs; or
+a cluster-wide one, and the cluster launch it needs.
 
 A schedule marks a loop with :func:`before` (an annotation: a traced primitive, so
 MetaSchedule's records replay it). In :data:`launch_order.PIPELINE`, after TVM's
@@ -9,6 +10,17 @@ which TVM's host/device split copies to every kernel of the function and its CUD
 runtime turns into ``cuLaunchCooperativeKernel``: all blocks of the grid are resident
 at once (the launch fails with an error when the grid cannot be, instead of the
 barrier hanging), so every block reaches the barrier.
+
+A cluster barrier (:func:`before_cluster`) waits for the blocks of one thread-block
+cluster only (Hopper: up to 8 consecutive blocks that run at once, on one GPC), not the
+grid: ``barrier.cluster.arrive`` and ``wait`` (TVM's ``T.cuda.cluster_sync()``, release
+and acquire at cluster scope), between two ``__threadfence()``, because TVM emits that
+barrier as ``asm`` without a memory clobber and nvcc could otherwise move the loads
+after it above it. The function gets a ``clusterCtaIdx.x`` launch dimension of the
+cluster's size inside its ``blockIdx.x`` one, which TVM's CUDA runtime turns into
+``cuLaunchKernelEx`` with that cluster size (the grid stays ``blockIdx.x``'s extent
+in blocks and must be a multiple of it). No cooperative launch: clusters need not all
+be resident at once.
 
 The marked loop must be one every thread of every block runs: not under a thread
 guard, nor under a loop whose trip count differs between blocks. Pipelines other than
@@ -21,11 +33,14 @@ from __future__ import annotations
 
 from typing import Any
 
+import tvm
 from tvm import tirx
 from tvm.backend.cuda import op as cuda_op
 
 # ``pragma_`` keys survive TVM's block lowering as an attribute around the loop.
 KEY = "pragma_tvm_fusion_grid_sync"
+CLUSTER_KEY = "pragma_tvm_fusion_cluster_sync"  # its value: the cluster's size in blocks
+CLUSTER_TAG = "clusterCtaIdx.x"
 LAUNCH_PARAMS = "tirx.kernel_launch_params"
 COOPERATIVE = "tirx.use_cooperative_launch"
 
@@ -35,14 +50,31 @@ def before(sch: Any, loop: Any) -> None:
     sch.annotate(loop, KEY, 1)
 
 
+def before_cluster(sch: Any, loop: Any, size: int) -> None:
+    """Mark ``loop``: every block of a cluster of ``size`` consecutive blocks waits there
+    until the cluster's blocks arrive (the function is launched in such clusters)."""
+    sch.annotate(loop, CLUSTER_KEY, size)
+
+
+def _barrier(stmt: tirx.AttrStmt) -> list[tirx.Stmt]:
+    if stmt.attr_key == KEY:
+        return [tirx.Evaluate(cuda_op.cuda_grid_sync())]
+    fence = tirx.Evaluate(cuda_op.cuda_thread_fence())
+    return [fence, tirx.Evaluate(cuda_op.cuda_cluster_sync()), fence]
+
+
 def _walk(stmt: tirx.Stmt, found: list) -> tirx.Stmt:
     if isinstance(stmt, tirx.SeqStmt):
         return tirx.SeqStmt([_walk(s, found) for s in stmt.seq])
     if isinstance(stmt, tirx.AttrStmt):
-        if stmt.attr_key == KEY:
+        if stmt.attr_key in (KEY, CLUSTER_KEY):
             found.append(stmt)
-            return tirx.SeqStmt([tirx.Evaluate(cuda_op.cuda_grid_sync()), _walk(stmt.body, found)])
-        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _walk(stmt.body, found))
+            return tirx.SeqStmt([*_barrier(stmt), _walk(stmt.body, found)])
+        before = len(found)
+        body = _walk(stmt.body, found)
+        if stmt.attr_key == "thread_extent" and stmt.node.thread_tag == "blockIdx.x":
+            body = _in_clusters(stmt, body, found[before:])
+        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
     if isinstance(stmt, tirx.For):
         return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, _walk(stmt.body, found),
                         stmt.thread_binding, stmt.annotations)
@@ -58,11 +90,29 @@ def _walk(stmt: tirx.Stmt, found: list) -> tirx.Stmt:
     return stmt
 
 
+def _in_clusters(launch: tirx.AttrStmt, body: tirx.Stmt, marks: list) -> tirx.Stmt:
+    """A kernel's ``body`` (inside its ``blockIdx.x`` launch) with a ``clusterCtaIdx.x``
+    launch dimension of its cluster barriers' size, where ``marks`` has one."""
+    sizes = {int(m.value) for m in marks if m.attr_key == CLUSTER_KEY}
+    if not sizes:
+        return body
+    if len(sizes) > 1 or any(m.attr_key == KEY for m in marks):
+        raise ValueError(f"{CLUSTER_KEY}: one cluster size a kernel and no grid barrier beside it")
+    size = sizes.pop()
+    if int(launch.value) % size:
+        raise ValueError(f"{CLUSTER_KEY}: a grid of {launch.value} blocks is no whole number of clusters of {size}")
+    rank = tirx.IterVar(tvm.ir.Range(0, size), tirx.Var("cluster_rank", "int32"), 1, CLUSTER_TAG)
+    return tirx.AttrStmt(rank, "thread_extent", size, body)
+
+
 def with_barriers(func: tirx.PrimFunc, marks: int | None = None) -> tirx.PrimFunc:
-    """``func`` (lowered: launches as ``thread_extent`` attributes) with a grid barrier
-    before each marked loop, launched cooperatively when it has any. ``marks``: how many
-    the function has (counted in its printed form when not given)."""
-    marks = func.script().count(KEY) if marks is None else marks
+    """``func`` (lowered: launches as ``thread_extent`` attributes) with a barrier before
+    each marked loop: grid barriers launched cooperatively, cluster barriers in clusters
+    of the marked size. ``marks``: how many the function has (counted in its printed
+    form when not given)."""
+    if marks is None:
+        text = func.script()
+        marks = text.count(KEY) + text.count(CLUSTER_KEY)
     if not marks:
         return func
     found: list = []
@@ -70,5 +120,7 @@ def with_barriers(func: tirx.PrimFunc, marks: int | None = None) -> tirx.PrimFun
     if len(found) != marks:
         raise ValueError(f"{KEY}: a marked loop was left without its barrier in "
                          f"{func.attrs.get('global_symbol', 'a function')}")
+    if all(m.attr_key == CLUSTER_KEY for m in found):
+        return new
     params = list(func.attrs.get(LAUNCH_PARAMS, [])) if func.attrs is not None else []
     return new.with_attr(LAUNCH_PARAMS, [*params, COOPERATIVE] if COOPERATIVE not in params else params)

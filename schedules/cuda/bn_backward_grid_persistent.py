@@ -52,16 +52,18 @@ class BNBackwardGridPersistent(GridPersistentCandidate):
         copies = [sch.cache_read(partial, read_index(sch, partial, name), "shared.dyn", consumer_blocks=[partial, dx])
                   for name in ("x", "dy")]
         on_chip = [sch.get(copy).writes[0].source.name for copy in copies]
-        round_loop = task_rounds(sch, partial, dx, count, knobs.grid)
+        round_loop = task_rounds(sch, partial, dx, count, self.grid(knobs))
         # The map's coefficients after the barrier, every thread in its registers.
-        after_barrier(sch, round_loop, ("bn_dx_xhat", "bn_dx_mean", "grad_sums_map", "bn_dx_scale"), "grad_sums_map")
+        after_barrier(sch, round_loop, ("bn_dx_xhat", "bn_dx_mean", "grad_sums_map", "bn_dx_scale"), "grad_sums_map",
+                      self.cluster(problem))
         # The channel's mean and invstd in registers once a round, for the sums and dx.
         for name in ("mean", "invstd"):
             stat = sch.cache_read(partial, read_index(sch, partial, name), "local", consumer_blocks=[partial, dx])
             sch.compute_at(stat, round_loop, preserve_unit_loops=True)
+        depth = self.depth(knobs)
         for copy in copies:
-            copy_in(sch, copy, round_loop, knobs)
-        reduce_from(sch, partial, on_chip, knobs)
-        map_from(sch, dx, on_chip, knobs)
+            copy_in(sch, copy, round_loop, knobs, depth)
+        reduce_from(sch, partial, on_chip, knobs, depth)
+        map_from(sch, dx, on_chip, knobs, depth)
         # The second kernel: dweight and dbias, a thread a channel.
         outputs_kernel(sch, ["dweight", "dbias"], ("grad_sums",))

@@ -106,11 +106,16 @@ def fits_in_parts(problem, copies: int) -> bool:
 
 def task_rounds(sch, partial, mapped, count, grid):
     """The (channel, part) tasks of the partial sums (loops ``(part, channel, ...)``)
-    and of the map (``(n, channel, l)``, n cut in ``count`` parts), each fused and split
-    ``[round, blockIdx.x]`` by ``grid``, merged into one nest; returns its round loop."""
+    and of the map (``(n, channel, l)``, n cut in ``count`` parts), each fused (a
+    channel's parts consecutive) and split ``[round, blockIdx.x]`` by ``grid``, merged
+    into one nest; returns its round loop. ``grid`` None: a block a task, no rounds
+    (returns the block loop)."""
 
     def rounds(c, p):
-        r, g = sch.split(sch.fuse(c, p), [None, grid])
+        fused = sch.fuse(c, p)
+        if grid is None:
+            return fused
+        r, g = sch.split(fused, [None, grid])
         sch.reorder(g, r)
         return r
 
@@ -125,33 +130,40 @@ def task_rounds(sch, partial, mapped, count, grid):
     return round_loop
 
 
-def after_barrier(sch, round_loop, names, combine: str) -> None:
+def after_barrier(sch, round_loop, names, combine: str, cluster: int = 0) -> None:
     """The map's per-channel blocks ``names`` (consumers first) at the round, in every
-    thread's registers, and the grid barrier before ``combine`` (the partials' sum)."""
+    thread's registers, and the barrier before ``combine`` (the partials' sum): the
+    grid's, or with ``cluster`` the cluster's of that many blocks."""
     for name in names:
         block = sch.get_sblock(name)
         sch.compute_at(block, round_loop, preserve_unit_loops=True)
         outputs_to(sch, block, "local")
-    grid_barrier.before(sch, sch.get_loops(sch.get_sblock(combine))[2])
+    loop = sch.get_loops(sch.get_sblock(combine))[2 if not cluster else 1]
+    if cluster:
+        grid_barrier.before_cluster(sch, loop, cluster)
+    else:
+        grid_barrier.before(sch, loop)
 
 
-def copy_in(sch, copy, round_loop, knobs) -> None:
-    """A part's copy at the round, lanes on consecutive 16-byte chunks."""
+def copy_in(sch, copy, round_loop, knobs, depth: int = 2) -> None:
+    """A part's copy at the round, lanes on consecutive 16-byte chunks; ``depth``: the
+    loops above a task's (the block's and the round's; the block's alone without
+    rounds)."""
     sch.compute_at(copy, round_loop, preserve_unit_loops=True)
-    _, _, vec = lanes_split(sch, copy, 2, knobs.threads, knobs.vector, 1)
+    _, _, vec = lanes_split(sch, copy, depth, knobs.threads, knobs.vector, 1)
     sch.vectorize(vec)
 
 
-def reduce_from(sch, partial, on_chip, knobs) -> None:
+def reduce_from(sch, partial, on_chip, knobs, depth: int = 2) -> None:
     """The partial sums across the lanes, 16 bytes of each copy at a time."""
-    _, serial = thread_reduce(sch, partial, 2, knobs.threads, knobs.vector, 1, on_chip[0])
+    _, serial = thread_reduce(sch, partial, depth, knobs.threads, knobs.vector, 1, on_chip[0])
     for name in on_chip[1:]:
         stage_in_registers(sch, partial, name, serial)
 
 
-def map_from(sch, block, on_chip, knobs) -> None:
+def map_from(sch, block, on_chip, knobs, depth: int = 2) -> None:
     """The map from the copies, 16-byte stores (the lanes split a part evenly)."""
-    _, serial, vec = lanes_split(sch, block, 2, knobs.threads, knobs.vector, 1)
+    _, serial, vec = lanes_split(sch, block, depth, knobs.threads, knobs.vector, 1)
     for name in on_chip:
         stage_in_registers(sch, block, name, serial)
     store_vectors(sch, block, serial, vec, perfect=True)
@@ -188,6 +200,18 @@ class GridPersistentCandidate(Candidate):
     def applies(self, problem) -> bool:
         return problem.op == self.op and fits_in_parts(problem, self.copies)
 
+    def grid(self, knobs):
+        """G, the blocks that walk the tasks in rounds; None: a block a task."""
+        return knobs.grid
+
+    def cluster(self, problem) -> int:
+        """Blocks a cluster barrier waits for; 0: the grid barrier."""
+        return 0
+
+    def depth(self, knobs) -> int:
+        """Loops above a task's: the block's and, with rounds, the round's."""
+        return 1 if self.grid(knobs) is None else 2
+
     def prefers(self, problem, target: Target) -> bool:
         return fills_the_sms(problem, target, self.copies)
 
@@ -200,6 +224,47 @@ class GridPersistentCandidate(Candidate):
         return GridPersistentKnobs(threads=thread_choices(problem, self.copies)[-1],
                                    vector=widest_vector(problem.dtype, problem.shape[2]),
                                    grid=grid_choices(problem, target, self.copies)[-1])
+
+
+MAX_CLUSTER = 8  # blocks in a portable thread-block cluster
+
+
+@dataclass(frozen=True)
+class ClusterKnobs(Knobs):
+    threads: int = 1024
+    vector: int = 8
+
+
+class ClusterParts:
+    """What the cluster candidates (``bn_forward_cluster``, ``bn_backward_cluster``)
+    change in the grid-wide ones they derive from: a block a (channel, part) task, no
+    rounds and no grid barrier; a channel's P parts (consecutive blocks) are one
+    thread-block cluster, and the barrier between the partial sums and the map waits for
+    that cluster alone (``grid_barrier.before_cluster``). So P is at most 8 (a portable
+    cluster), and the knobs have no grid."""
+
+    knobs = ClusterKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem) -> bool:
+        return super().applies(problem) and parts(problem, self.copies) <= MAX_CLUSTER
+
+    def prefers(self, problem, target: Target) -> bool:
+        return False
+
+    def choices(self, problem, target: Target) -> dict[str, list[int]]:
+        return {"threads": thread_choices(problem, self.copies),
+                "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2])}
+
+    def default_for(self, problem, target: Target) -> ClusterKnobs:
+        return ClusterKnobs(threads=thread_choices(problem, self.copies)[-1],
+                            vector=widest_vector(problem.dtype, problem.shape[2]))
+
+    def grid(self, knobs):
+        return None
+
+    def cluster(self, problem) -> int:
+        return parts(problem, self.copies)
 
 
 class PipelinedRounds:
@@ -243,16 +308,18 @@ class BNForwardGridPersistent(GridPersistentCandidate):
         copy = sch.cache_read(partial, read_index(sch, partial, "x"), "shared.dyn", consumer_blocks=[partial, y])
         on_chip = sch.get(copy).writes[0].source.name
         sch.compute_inline(sch.get_sblock("shift"))
-        round_loop = task_rounds(sch, partial, y, count, knobs.grid)
+        round_loop = task_rounds(sch, partial, y, count, self.grid(knobs))
         # 4. The map's coefficients after the barrier, every thread in its registers.
-        after_barrier(sch, round_loop, ("bn_scale", "bn_shift", "var_map", "mean_map", "moments_map"), "moments_map")
-        copy_in(sch, copy, round_loop, knobs)
+        after_barrier(sch, round_loop, ("bn_scale", "bn_shift", "var_map", "mean_map", "moments_map"), "moments_map",
+                      self.cluster(problem))
+        depth = self.depth(knobs)
+        copy_in(sch, copy, round_loop, knobs, depth)
         # 2. The partial sums across the lanes, 16 bytes of the copy at a time; K[c]
         # loaded once a round into a register (inlined, nvcc reloaded it for every value).
         shift = sch.cache_read(partial, read_index(sch, partial, "x"), "local", consumer_blocks=[partial])
         sch.compute_at(shift, round_loop, preserve_unit_loops=True)
-        reduce_from(sch, partial, [on_chip], knobs)
+        reduce_from(sch, partial, [on_chip], knobs, depth)
         # 5. y from the copy, 16-byte stores.
-        map_from(sch, y, [on_chip], knobs)
+        map_from(sch, y, [on_chip], knobs, depth)
         # The second kernel: the per-channel outputs, a thread a channel.
         outputs_kernel(sch, channel_outputs(problem), ("var", "mean", "moments"))

@@ -1,0 +1,162 @@
+"""bn_forward_cluster and bn_backward_cluster: the grid-wide BatchNorm kernels without
+rounds, a channel's parts one thread-block cluster, a cluster barrier between the
+partial sums and the map (tvm_fusion.grid_barrier.before_cluster).
+
+Where they apply (at most 8 parts a channel: a portable cluster), what their CUDA code
+must show (one cluster barrier between the partials' stores and their loads, fenced on
+both sides, under no condition; a block a task; no grid barrier), that the kernel with
+the barrier alone is launched in clusters of P (no cooperative launch), that a grid
+which is no whole number of clusters is refused, that their tuning spaces replay, and
+on a GPU that every knob sample computes the float64 reference (|mean| >> std
+included) with outputs poisoned before the run."""
+
+import re
+
+import pytest
+import tvm
+
+from helpers import check_threads_decisions_replay, needs_nvcc, on_gpu
+from test_bn_forward import check_knobs_on_gpu
+from test_bn_grid_persistent import backward_problem, check_backward_knobs_on_gpu, configs, kernel_bodies, problem
+from tvm_fusion import grid_barrier, launch_order, registry, targets
+from tvm_fusion.compute import bn_stats
+from tvm_fusion.kernel import build_kernel, compiled_form
+
+CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
+FORWARD = registry.get("bn_forward_cluster")
+BACKWARD = registry.get("bn_backward_cluster")
+
+# (shape, dtype, parts): 401 KB fp16 channels in 2 parts (x) and 4 (x and dy), 802 KB
+# bf16 channels in 4 and 8, 256 KB fp32 ones, odd 15x15 planes (scalar loads).
+FORWARD_APPLIES = [((64, 256, 56, 56), "float16", 2), ((32, 64, 112, 112), "bfloat16", 4),
+                   ((16, 8, 64, 64), "float32", 2), ((1024, 3, 15, 15), "float16", 4)]
+BACKWARD_APPLIES = [((64, 256, 56, 56), "float16", 4), ((32, 64, 112, 112), "bfloat16", 8),
+                    ((16, 8, 64, 64), "float32", 4), ((1024, 3, 15, 15), "float16", 8)]
+
+
+@pytest.mark.parametrize("cand, make, copies, shape, dtype, parts",
+                         [(FORWARD, problem, 1, *case) for case in FORWARD_APPLIES]
+                         + [(BACKWARD, backward_problem, 2, *case) for case in BACKWARD_APPLIES],
+                         ids=lambda v: getattr(v, "name", None))
+def test_applies_in_parts_of_at_most_a_portable_cluster(cand, make, copies, shape, dtype, parts):
+    p = make(shape, dtype)
+    assert cand.applies(p) and bn_stats.parts(p, copies) == parts == cand.cluster(p)
+    assert "grid" not in cand.choices(p, CUDA) and cand.grid(cand.default_for(p, CUDA)) is None
+    assert not cand.prefers(p, CUDA), "unmeasured: the tuner chooses it, not the heuristic"
+    assert not cand.applies(make(shape, dtype, training=False))
+
+
+@pytest.mark.parametrize("cand, make", [(FORWARD, problem), (BACKWARD, backward_problem)], ids=["forward", "backward"])
+def test_does_not_apply_past_eight_parts(cand, make):
+    """32x64x112x112 fp32: 1.6 MB a channel, 8 parts of x and 16 of x and dy; the
+    backward's are no portable cluster, while its grid-wide kernel takes them."""
+    p = make((32, 64, 112, 112), "float32")
+    parts = bn_stats.parts(p, cand.copies)
+    assert cand.applies(p) == (parts <= 8) and registry.get(cand.name.replace("cluster", "grid_persistent")).applies(p)
+
+
+def check_cluster_source(kernel, partials: str, parts: int) -> str:
+    """A block a (channel, part) task, no rounds; one cluster barrier, fenced on both
+    sides, after the partials' stores and before their loads, under no condition; no
+    grid barrier. Returns the first kernel's source."""
+    first, outputs = kernel_bodies(kernel.device_source())
+    assert "cluster_sync" not in outputs and "grid_sync" not in first + outputs
+    assert not re.search(r"for \(int c_p_fused", first), "no rounds"
+    assert first.count("tvm_builtin_cuda_cluster_sync();") == 1
+    at = first.index("tvm_builtin_cuda_cluster_sync();")
+    assert first[:at].rstrip().endswith("tvm_builtin_cuda_thread_fence();")
+    assert first[at:].split(";", 2)[1].strip() == "tvm_builtin_cuda_thread_fence()"
+    stored = [m.start() for m in re.finditer(rf"\b{partials}_v[01]_ptr\[[^\]]*\] =", first)]
+    loaded = [m.start() for m in re.finditer(rf"= \([^;]*\b{partials}_v[01]_ptr\[", first)]
+    assert stored and loaded and max(stored) < at < min(loaded)
+    assert first[:at].count("{") - first[:at].count("}") == 1, "the barrier under a condition"
+    # A channel's parts are consecutive blocks: the part is blockIdx.x % P.
+    assert f"((int)blockIdx.x) & {parts - 1}" in first or f"((int)blockIdx.x) % {parts}" in first
+    return first
+
+
+@pytest.mark.parametrize("shape, dtype, parts", FORWARD_APPLIES)
+def test_forward_cuda_source_has_the_cluster_barrier(shape, dtype, parts):
+    kernel = build_kernel(problem(shape, dtype), CUDA, FORWARD.name)
+    first = check_cluster_source(kernel, "part_moments", parts)
+    assert "running_mean_out_ptr" not in first and "save_mean_ptr" not in first
+
+
+@pytest.mark.parametrize("shape, dtype, parts", BACKWARD_APPLIES)
+def test_backward_cuda_source_has_the_cluster_barrier(shape, dtype, parts):
+    kernel = build_kernel(backward_problem(shape, dtype), CUDA, BACKWARD.name)
+    first = check_cluster_source(kernel, "part_grad_sums", parts)
+    at = first.index("tvm_builtin_cuda_cluster_sync();")
+    assert not re.search(r"\b(x|dy)_ptr\b", first[at:]), "dx from the copies only"
+
+
+@pytest.mark.parametrize("cand, make", [(FORWARD, problem), (BACKWARD, backward_problem)], ids=["forward", "backward"])
+def test_only_the_kernel_with_the_barrier_is_launched_in_clusters(cand, make, tmp_path):
+    """launch_order's pipeline gives the first kernel a ``clusterCtaIdx.x`` launch
+    dimension of P inside its ``blockIdx.x`` one, not the per-channel outputs' kernel,
+    and no cooperative tag; the compiled library carries that launch dimension once (TVM's
+    CUDA runtime launches such a kernel with cuLaunchKernelEx and that cluster size)."""
+    p = make((64, 256, 56, 56), "float16")
+    kernel = build_kernel(p, CUDA, cand.name)
+    mod = compiled_form(kernel.mod, p)
+    pipeline, _, _ = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE)
+    with CUDA:
+        lowered = pipeline(tvm.IRModule({g: f.with_attr("target", CUDA) for g, f in mod.functions.items()}))
+    text = "".join(f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    launches = re.findall(r'T.launch_thread\("(blockIdx.x|clusterCtaIdx.x)", (\d+)\)', text)
+    blocks = p.channels * cand.cluster(p)
+    assert launches[:2] == [("blockIdx.x", str(blocks)), ("clusterCtaIdx.x", str(cand.cluster(p)))], launches
+    assert [name for name, _ in launches].count("clusterCtaIdx.x") == 1 and grid_barrier.COOPERATIVE not in text
+    kernel.executable.export_library(str(tmp_path / "k.so"))
+    assert (tmp_path / "k.so").read_bytes().count(b"clusterCtaIdx.x") == 1
+
+
+def test_a_grid_that_is_no_whole_number_of_clusters_is_refused():
+    bx = tvm.tirx.IterVar(tvm.ir.Range(0, 6), tvm.tirx.Var("bx", "int32"), 1, "blockIdx.x")
+    marked = tvm.tirx.AttrStmt(0, grid_barrier.CLUSTER_KEY, 4, tvm.tirx.Evaluate(0))
+    func = tvm.tirx.PrimFunc([], tvm.tirx.AttrStmt(bx, "thread_extent", 6, marked))
+    with pytest.raises(ValueError, match="no whole number of clusters of 4"):
+        grid_barrier.with_barriers(func)
+    ok = tvm.tirx.PrimFunc([], tvm.tirx.AttrStmt(bx, "thread_extent", 8, marked))
+    assert 'T.launch_thread("clusterCtaIdx.x", 4)' in grid_barrier.with_barriers(ok).script()
+
+
+@needs_nvcc
+@pytest.mark.parametrize("cand, p", [(FORWARD, problem((64, 256, 56, 56), "float16")),
+                                     (BACKWARD, backward_problem((64, 256, 56, 56), "float16"))],
+                         ids=["forward", "backward"])
+def test_kernels_compile_without_spills(cand, p):
+    from tvm_fusion.codegen import cuda_report
+
+    report = cuda_report(build_kernel(p, CUDA, cand.name))
+    assert len(report.kernels) == 2 and not any(report.spill_bytes.values()), report
+    assert report.vector_loads > 0 and report.shuffles > 0, report
+
+
+@pytest.mark.parametrize("cand, p", [(FORWARD, problem((16, 8, 64, 64), "float32")),
+                                     (BACKWARD, backward_problem((16, 8, 64, 64), "float32"))],
+                         ids=["forward", "backward"])
+def test_tuning_space_replays_with_every_decision(cand, p):
+    check_threads_decisions_replay(cand, p, CUDA)
+
+
+# -- on a GPU ----------------------------------------------------------------------------
+GPU_CASES = [((64, 256, 56, 56), "float16", (True, True)), ((32, 64, 112, 112), "bfloat16", (False, True)),
+             ((16, 8, 64, 64), "float32", (True, False)), ((1024, 3, 15, 15), "float16", (False, False))]
+
+
+@on_gpu
+@pytest.mark.parametrize("shape, dtype, mode", GPU_CASES)
+def test_forward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, mode):
+    p = problem(shape, dtype, *mode)
+    check_knobs_on_gpu(p, FORWARD.name, configs(FORWARD, p))
+
+
+BACKWARD_GPU_CASES = [((64, 256, 56, 56), "float16", True), ((32, 64, 112, 112), "bfloat16", False),
+                      ((16, 8, 64, 64), "float32", True), ((1024, 3, 15, 15), "float16", False)]
+
+
+@on_gpu
+@pytest.mark.parametrize("shape, dtype, affine", BACKWARD_GPU_CASES)
+def test_backward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, affine):
+    check_backward_knobs_on_gpu(backward_problem(shape, dtype, affine), BACKWARD)
