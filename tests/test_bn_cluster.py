@@ -5,19 +5,18 @@ partial sums and the map (tvm_fusion.grid_barrier.before_cluster).
 Where they apply (at most 8 parts a channel: a portable cluster), what their CUDA code
 must show (one cluster barrier between the partials' stores and their loads, fenced on
 both sides, under no condition; a block a task; no grid barrier), that the kernel with
-the barrier alone is launched in clusters of P (no cooperative launch), that a grid
-which is no whole number of clusters is refused, that their tuning spaces replay, and
-on a GPU that every knob sample computes the float64 reference (|mean| >> std
-included) with outputs poisoned before the run."""
+the barrier alone is launched in clusters of P (no cooperative launch), and that a grid
+which is no whole number of clusters is refused. Their spills, trace replays and GPU
+checks (every knob sample against the float64 reference, |mean| >> std included,
+outputs poisoned) are tests/test_bn_grid_persistent.py's, over every grid-wide
+candidate."""
 
 import re
 
 import pytest
 import tvm
 
-from helpers import check_threads_decisions_replay, needs_nvcc, on_gpu
-from test_bn_forward import check_knobs_on_gpu
-from test_bn_grid_persistent import backward_problem, check_backward_knobs_on_gpu, configs, kernel_bodies, problem
+from test_bn_grid_persistent import backward_problem, kernel_bodies, problem
 from tvm_fusion import grid_barrier, launch_order, registry, targets
 from tvm_fusion.compute import bn_stats
 from tvm_fusion.kernel import build_kernel, compiled_form
@@ -119,44 +118,3 @@ def test_a_grid_that_is_no_whole_number_of_clusters_is_refused():
         grid_barrier.with_barriers(func)
     ok = tvm.tirx.PrimFunc([], tvm.tirx.AttrStmt(bx, "thread_extent", 8, marked))
     assert 'T.launch_thread("clusterCtaIdx.x", 4)' in grid_barrier.with_barriers(ok).script()
-
-
-@needs_nvcc
-@pytest.mark.parametrize("cand, p", [(FORWARD, problem((64, 256, 56, 56), "float16")),
-                                     (BACKWARD, backward_problem((64, 256, 56, 56), "float16"))],
-                         ids=["forward", "backward"])
-def test_kernels_compile_without_spills(cand, p):
-    from tvm_fusion.codegen import cuda_report
-
-    report = cuda_report(build_kernel(p, CUDA, cand.name))
-    assert len(report.kernels) == 2 and not any(report.spill_bytes.values()), report
-    assert report.vector_loads > 0 and report.shuffles > 0, report
-
-
-@pytest.mark.parametrize("cand, p", [(FORWARD, problem((16, 8, 64, 64), "float32")),
-                                     (BACKWARD, backward_problem((16, 8, 64, 64), "float32"))],
-                         ids=["forward", "backward"])
-def test_tuning_space_replays_with_every_decision(cand, p):
-    check_threads_decisions_replay(cand, p, CUDA)
-
-
-# -- on a GPU ----------------------------------------------------------------------------
-GPU_CASES = [((64, 256, 56, 56), "float16", (True, True)), ((32, 64, 112, 112), "bfloat16", (False, True)),
-             ((16, 8, 64, 64), "float32", (True, False)), ((1024, 3, 15, 15), "float16", (False, False))]
-
-
-@on_gpu
-@pytest.mark.parametrize("shape, dtype, mode", GPU_CASES)
-def test_forward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, mode):
-    p = problem(shape, dtype, *mode)
-    check_knobs_on_gpu(p, FORWARD.name, configs(FORWARD, p))
-
-
-BACKWARD_GPU_CASES = [((64, 256, 56, 56), "float16", True), ((32, 64, 112, 112), "bfloat16", False),
-                      ((16, 8, 64, 64), "float32", True), ((1024, 3, 15, 15), "float16", False)]
-
-
-@on_gpu
-@pytest.mark.parametrize("shape, dtype, affine", BACKWARD_GPU_CASES)
-def test_backward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, affine):
-    check_backward_knobs_on_gpu(backward_problem(shape, dtype, affine), BACKWARD)

@@ -128,36 +128,11 @@ def test_a_barrier_under_a_condition_is_refused():
         grid_barrier.LAUNCH_PARAMS]
 
 
-@needs_nvcc
-def test_cuda_kernels_compile_without_spills():
-    from tvm_fusion.codegen import cuda_report
-
-    report = cuda_report(build_kernel(problem((64, 256, 56, 56), "float16"), CUDA, NAME))
-    assert len(report.kernels) == 2 and not any(report.spill_bytes.values()), report
-    assert report.vector_loads > 0 and report.shuffles > 0, report
-
-
-def test_tuning_space_replays_with_every_decision():
-    check_threads_decisions_replay(CANDIDATE, problem((16, 8, 60, 60), "float32"), CUDA)
-
-
 def configs(cand, p):
     """The default, the fewest lanes on the smallest grid, and one from the middle."""
     space = cand.all_configs(p, CUDA)
     smallest = min(space, key=lambda k: (k.threads, getattr(k, "grid", 0)))
     return list(dict.fromkeys([cand.default_for(p, CUDA), smallest, space[len(space) // 2]]))
-
-
-# -- on a GPU ----------------------------------------------------------------------------
-GPU_CASES = [((64, 256, 56, 56), "float16", (True, True)), ((32, 64, 112, 112), "bfloat16", (False, True)),
-             ((16, 8, 60, 60), "float32", (True, False)), ((1024, 3, 15, 15), "float16", (False, False))]
-
-
-@on_gpu
-@pytest.mark.parametrize("shape, dtype, mode", GPU_CASES)
-def test_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, mode):
-    p = problem(shape, dtype, *mode)
-    check_knobs_on_gpu(p, NAME, configs(CANDIDATE, p))
 
 
 # -- the backward: x and dy in shared memory, dx from them ------------------------------
@@ -191,21 +166,6 @@ def test_backward_cuda_source_has_the_barrier_between_the_partials_and_their_com
     assert "dweight_ptr" not in persistent and "dbias_ptr" not in persistent
 
 
-@needs_nvcc
-def test_backward_kernels_compile_without_spills():
-    from tvm_fusion.codegen import cuda_report
-
-    report = cuda_report(build_kernel(backward_problem((64, 256, 56, 56), "float16"), CUDA, BACKWARD.name))
-    assert len(report.kernels) == 2 and not any(report.spill_bytes.values()), report
-    assert report.vector_loads > 0 and report.shuffles > 0, report
-
-
-def test_backward_tuning_space_replays_with_every_decision():
-    check_threads_decisions_replay(BACKWARD, backward_problem((16, 8, 64, 64), "float32"), CUDA)
-
-
-BACKWARD_GPU_CASES = [((64, 256, 56, 56), "float16", True), ((32, 64, 112, 112), "bfloat16", False),
-                      ((16, 8, 64, 64), "float32", True), ((1024, 3, 15, 15), "float16", False)]
 
 
 def check_backward_knobs_on_gpu(p, cand) -> None:
@@ -221,7 +181,53 @@ def check_backward_knobs_on_gpu(p, cand) -> None:
         ref.check(outs, x, dy, mean, invstd, weight, p, f"{cand.name} {knobs}")
 
 
+# -- every grid-wide candidate: these two, the pipelined ones (test_bn_grid_pipelined.py)
+# and the cluster ones (test_bn_cluster.py) ----------------------------------------------
+FORWARDS = ("bn_forward_grid_persistent", "bn_forward_grid_pipelined", "bn_forward_cluster")
+BACKWARDS = ("bn_backward_grid_persistent", "bn_backward_grid_pipelined", "bn_backward_cluster")
+# 120 KB fp16 channels: the pipelined kernels' one round of 6 blocks or three of 2 (the
+# others take them in one part, so not at all).
+SMALL_PARTS = (32, 3, 40, 48)
+
+
+def cases(names, make, shapes):
+    """(name, problem) pairs where the candidate applies."""
+    return [pytest.param(name, p, id=f"{name}-{p.key()}") for name in names for *args, in shapes
+            for p in [make(*args)] if registry.get(name).applies(p)]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("name, p", cases(FORWARDS, problem, [((64, 256, 56, 56), "float16")])
+                         + cases(BACKWARDS, backward_problem, [((64, 256, 56, 56), "float16")]))
+def test_cuda_kernels_compile_without_spills(name, p):
+    from tvm_fusion.codegen import cuda_report
+
+    report = cuda_report(build_kernel(p, CUDA, name))
+    assert len(report.kernels) == 2 and not any(report.spill_bytes.values()), report
+    assert report.shuffles > 0 and (report.vector_loads > 0 or "pipelined" in name), report  # cp.async
+
+
+@pytest.mark.parametrize("name, p", cases(FORWARDS, problem, [((16, 8, 60, 60), "float32"), ((16, 8, 64, 64), "float32")])
+                         + cases(BACKWARDS, backward_problem, [((16, 8, 64, 64), "float32")]))
+def test_tuning_space_replays_with_every_decision(name, p):
+    check_threads_decisions_replay(registry.get(name), p, CUDA)
+
+
+FORWARD_GPU = [((64, 256, 56, 56), "float16", True, True), ((32, 64, 112, 112), "bfloat16", False, True),
+               ((16, 8, 60, 60), "float32", True, False), ((16, 8, 64, 64), "float32", True, False),
+               ((1024, 3, 15, 15), "float16", False, False), (SMALL_PARTS, "float16", False, False)]
+BACKWARD_GPU = [((64, 256, 56, 56), "float16", True), ((32, 64, 112, 112), "bfloat16", False),
+                ((16, 8, 64, 64), "float32", True), ((1024, 3, 15, 15), "float16", False),
+                (SMALL_PARTS, "float16", False)]
+
+
 @on_gpu
-@pytest.mark.parametrize("shape, dtype, affine", BACKWARD_GPU_CASES)
-def test_backward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, affine):
-    check_backward_knobs_on_gpu(backward_problem(shape, dtype, affine), BACKWARD)
+@pytest.mark.parametrize("name, p", cases(FORWARDS, problem, FORWARD_GPU))
+def test_on_gpu_every_knob_sample_computes_the_reference(name, p):
+    check_knobs_on_gpu(p, name, configs(registry.get(name), p))
+
+
+@on_gpu
+@pytest.mark.parametrize("name, p", cases(BACKWARDS, backward_problem, BACKWARD_GPU))
+def test_backward_on_gpu_every_knob_sample_computes_the_reference(name, p):
+    check_backward_knobs_on_gpu(p, registry.get(name))

@@ -1,21 +1,20 @@
 """bn_forward_grid_pipelined and bn_backward_grid_pipelined: the grid-wide persistent
 BatchNorm kernels with their rounds pipelined (tvm_fusion.async_rounds).
 
-Where they apply (parts of half the grid-wide kernels' bytes), what their CUDA code
-must show (the next round's copies issued as cp.async before this round's wait, grid
-barrier and map; a barrier between the partials' stores and their loads in the loop
-and in the epilogue; every cross-thread reduction with its own shared result), that
-their tuning spaces replay, and on a GPU that every knob sample computes the float64
-reference (|mean| >> std included) with outputs poisoned before the run."""
+Where they apply (parts of half the grid-wide kernels' bytes, 16-byte copies), and what
+their CUDA code must show (round 0's copies before the loop; in a round, the wait for
+its copies, its barrier, the next round's copies as 16-byte cp.async, then its map's
+stores; a barrier between the partials' stores and their loads in the loop and in the
+epilogue; every cross-thread reduction with its own shared result). Their spills,
+trace replays and GPU checks (every knob sample against the float64 reference) are
+tests/test_bn_grid_persistent.py's, over every grid-wide candidate."""
 
 import re
 
 import pytest
 import tvm
 
-from helpers import check_threads_decisions_replay, needs_nvcc, on_gpu
-from test_bn_forward import check_knobs_on_gpu
-from test_bn_grid_persistent import backward_problem, check_backward_knobs_on_gpu, configs, kernel_bodies, problem
+from test_bn_grid_persistent import backward_problem, kernel_bodies, problem
 from tvm_fusion import async_rounds, registry, targets
 from tvm_fusion.compute import bn_stats
 from tvm_fusion.kernel import build_kernel
@@ -117,44 +116,3 @@ def test_only_the_pipelined_decompositions_are_lowered_with_async_copies():
     assert not async_rounds.wanted(tvm.IRModule({"main": prim_func(p, "shifted_parts")}))
     config, disabled = async_rounds.lowering_config({}, ["a"])
     assert config["tirx.use_async_copy"] and disabled == ["a", async_rounds.LOWER_ALLREDUCE]
-
-
-@needs_nvcc
-@pytest.mark.parametrize("cand, p", [(FORWARD, problem((64, 256, 56, 56), "float16")),
-                                     (BACKWARD, backward_problem((64, 256, 56, 56), "float16"))],
-                         ids=["forward", "backward"])
-def test_kernels_compile_without_spills(cand, p):
-    from tvm_fusion.codegen import cuda_report
-
-    report = cuda_report(build_kernel(p, CUDA, cand.name))
-    assert len(report.kernels) == 2 and not any(report.spill_bytes.values()), report
-    assert report.shuffles > 0, report
-
-
-@pytest.mark.parametrize("cand, p", [(FORWARD, problem((16, 8, 64, 64), "float32")),
-                                     (BACKWARD, backward_problem((16, 8, 64, 64), "float32"))],
-                         ids=["forward", "backward"])
-def test_tuning_space_replays_with_every_decision(cand, p):
-    check_threads_decisions_replay(cand, p, CUDA)
-
-
-# -- on a GPU ----------------------------------------------------------------------------
-GPU_CASES = [((64, 256, 56, 56), "float16", (True, True)), ((32, 64, 112, 112), "bfloat16", (False, True)),
-             ((16, 8, 64, 64), "float32", (True, False)), ((32, 3, 40, 48), "float16", (False, False))]
-
-
-@on_gpu
-@pytest.mark.parametrize("shape, dtype, mode", GPU_CASES)
-def test_forward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, mode):
-    p = problem(shape, dtype, *mode)
-    check_knobs_on_gpu(p, FORWARD.name, configs(FORWARD, p))
-
-
-BACKWARD_GPU_CASES = [((64, 256, 56, 56), "float16", True), ((32, 64, 112, 112), "bfloat16", False),
-                      ((16, 8, 64, 64), "float32", True), ((32, 3, 40, 48), "float16", False)]
-
-
-@on_gpu
-@pytest.mark.parametrize("shape, dtype, affine", BACKWARD_GPU_CASES)
-def test_backward_on_gpu_every_knob_sample_computes_the_reference(shape, dtype, affine):
-    check_backward_knobs_on_gpu(backward_problem(shape, dtype, affine), BACKWARD)
