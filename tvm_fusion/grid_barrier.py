@@ -16,11 +16,12 @@ cluster only (Hopper: up to 8 consecutive blocks that run at once, on one GPC), 
 grid: ``barrier.cluster.arrive`` and ``wait`` (TVM's ``T.cuda.cluster_sync()``, release
 and acquire at cluster scope), between two ``__threadfence()``, because TVM emits that
 barrier as ``asm`` without a memory clobber and nvcc could otherwise move the loads
-after it above it. The function gets a ``clusterCtaIdx.x`` launch dimension of the
-cluster's size inside its ``blockIdx.x`` one, which TVM's CUDA runtime turns into
-``cuLaunchKernelEx`` with that cluster size (the grid stays ``blockIdx.x``'s extent
-in blocks and must be a multiple of it). No cooperative launch: clusters need not all
-be resident at once.
+after it above it. The kernel with the barrier (not the function's other kernels) gets
+a ``clusterCtaIdx.x`` launch dimension of the cluster's size inside its ``blockIdx.x``
+one, which TVM's CUDA runtime turns into ``cuLaunchKernelEx`` with that cluster size
+(the grid stays ``blockIdx.x``'s extent in blocks and must be a multiple of it; a
+block's rank in its cluster is ``blockIdx.x`` modulo the size). No cooperative launch:
+clusters need not all be resident at once.
 
 The marked loop must be one every thread of every block runs: not under a thread
 guard, nor under a loop whose trip count differs between blocks. Pipelines other than
