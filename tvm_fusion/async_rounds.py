@@ -49,23 +49,21 @@ LOWER_ALLREDUCE = "s_tir.LowerThreadAllreduce"
 # not at the round's start. Why it was tried: the barrier fences memory in one thread a
 # block, and that fence may wait for the thread's copies in flight, holding the block
 # there until the next round's reads are done. Measured on an H100 (2026-12-05T16:51Z,
-# bn_forward_grid_pipelined's docstring): the same time on fp16 (0.1035 ms against
-# 0.1040 on 64x256x56x56), 7% less on fp32 (0.1917 against 0.2059). False builds the
-# first version (an A/B switch for a probe; schedules read it when they run).
-ISSUE_AFTER_THE_BARRIER = True
+# bn_forward_grid_pipelined's docstring) against the first version (copies at the
+# round's start, dcb3eb4's ISSUE_AFTER_THE_BARRIER switch off): the same time on fp16
+# (0.1035 ms against 0.1040 on 64x256x56x56), 7% less on fp32 (0.1917 against 0.2059).
 # LowerCrossThreadReduction turns a cross-thread reduction into four statements (the
 # in-thread init and loop, the cross-thread step, the write-back), and the pipeline's
 # annotation counts the loop body's statements after it.
 REDUCTION_STATEMENTS = 4
 
 
-def pipeline(sch: Any, loop: Any, copies: list[Any], reductions: list[Any], after: Any = None) -> None:
+def pipeline(sch: Any, loop: Any, copies: list[Any], reductions: list[Any], after: Any) -> None:
     """Pipeline the round ``loop``: the blocks ``copies`` (global to shared memory,
     each under its own loop nest in the round) in stage 0, asynchronous; the rest,
     ``reductions`` (cross-thread reductions) among it, in stage 1, in their order. The
-    next round's copies are issued first in the loop's body, or right after the
-    round's statement that holds the block ``after`` (a grid barrier's combine: see
-    :data:`ISSUE_AFTER_THE_BARRIER`)."""
+    next round's copies are issued right after the round's statement that holds the
+    block ``after`` (a grid barrier's combine: see the comment above)."""
     body = sch.get(loop).body
     children = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
 
@@ -75,14 +73,14 @@ def pipeline(sch: Any, loop: Any, copies: list[Any], reductions: list[Any], afte
         return sch.get(inner[index + 1]) if index + 1 < len(inner) else sch.get(block)
 
     copy_roots, reduction_roots = [root(b) for b in copies], [root(b) for b in reductions]
-    after_root = None if after is None else root(after)
+    after_root = root(after)
     stages, first = [], 0  # ``first``: how many stage-1 statements come before the copies
     for child in children:
         if any(child.same_as(r) for r in copy_roots):
             stages.append(0)
             continue
         stages.extend([1] * (REDUCTION_STATEMENTS if any(child.same_as(r) for r in reduction_roots) else 1))
-        if after_root is not None and child.same_as(after_root):
+        if child.same_as(after_root):
             first = stages.count(1)
     copies_at = [i for i, s in enumerate(stages) if s == 0]
     rest = [i for i, s in enumerate(stages) if s == 1]

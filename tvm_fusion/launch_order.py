@@ -148,7 +148,8 @@ def marked_loops(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
         if isinstance(func, tirx.PrimFunc):
             text = func.script()
             func = reverse_marked(func, text.count(KEY))
-            mod[gvar] = grid_barrier.with_barriers(func, text.count(grid_barrier.KEY) + text.count(grid_barrier.CLUSTER_KEY))
+            barriers = text.count(grid_barrier.KEY) + text.count(grid_barrier.CLUSTER_KEY)
+            mod[gvar] = grid_barrier.with_barriers(func, barriers)
     return mod
 
 

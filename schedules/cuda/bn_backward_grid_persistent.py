@@ -42,8 +42,7 @@ from .bn_forward_grid_persistent import (
 class BNBackwardGridPersistent(GridPersistentCandidate):
     name = "bn_backward_grid_persistent"
     op = "bn_backward"
-    algorithm = "dual_reduce_parts"
-    copies = 2  # x and dy
+    algorithm = "dual_reduce_parts"  # x's and dy's parts on chip
 
     def schedule(self, sch, problem: BNBackwardProblem, knobs) -> None:
         count = parts(problem, self.copies)
@@ -54,13 +53,13 @@ class BNBackwardGridPersistent(GridPersistentCandidate):
         on_chip = [sch.get(copy).writes[0].source.name for copy in copies]
         round_loop = task_rounds(sch, partial, dx, count, self.grid(knobs))
         # The map's coefficients after the barrier, every thread in its registers.
+        depth = self.depth(knobs)
         after_barrier(sch, round_loop, ("bn_dx_xhat", "bn_dx_mean", "grad_sums_map", "bn_dx_scale"), "grad_sums_map",
-                      self.cluster(problem))
+                      depth, self.cluster(problem))
         # The channel's mean and invstd in registers once a round, for the sums and dx.
         for name in ("mean", "invstd"):
             stat = sch.cache_read(partial, read_index(sch, partial, name), "local", consumer_blocks=[partial, dx])
             sch.compute_at(stat, round_loop, preserve_unit_loops=True)
-        depth = self.depth(knobs)
         for copy in copies:
             copy_in(sch, copy, round_loop, knobs, depth)
         reduce_from(sch, partial, on_chip, knobs, depth)

@@ -34,6 +34,5 @@ from .bn_forward_grid_persistent import PipelinedRounds
 @register
 class BNBackwardGridPipelined(PipelinedRounds, BNBackwardGridPersistent):
     name = "bn_backward_grid_pipelined"
-    algorithm = "dual_reduce_half_parts"
-    copies = 4  # this round's parts of x and dy and the next one's
+    algorithm = "dual_reduce_half_parts"  # this round's parts of x and dy and the next one's
     on_chip, partial, combine = ("x_shared.dyn", "dy_shared.dyn"), "part_grad_sums", "grad_sums_map"

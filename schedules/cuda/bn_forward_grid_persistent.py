@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from tvm.target import Target
 
 from tvm_fusion import async_rounds, grid_barrier
+from tvm_fusion.compute import PART_COPIES
 from tvm_fusion.compute.bn_forward import channel_outputs
 from tvm_fusion.compute.bn_stats import PART_BYTES, parts
 from tvm_fusion.contracts import BNForwardProblem
@@ -130,15 +131,16 @@ def task_rounds(sch, partial, mapped, count, grid):
     return round_loop
 
 
-def after_barrier(sch, round_loop, names, combine: str, cluster: int = 0) -> None:
+def after_barrier(sch, round_loop, names, combine: str, depth: int = 2, cluster: int = 0) -> None:
     """The map's per-channel blocks ``names`` (consumers first) at the round, in every
-    thread's registers, and the barrier before ``combine`` (the partials' sum): the
-    grid's, or with ``cluster`` the cluster's of that many blocks."""
+    thread's registers, and the barrier before ``combine`` (the partials' sum; its loop
+    under the ``depth`` loops above a task): the grid's, or with ``cluster`` the
+    cluster's of that many blocks."""
     for name in names:
         block = sch.get_sblock(name)
         sch.compute_at(block, round_loop, preserve_unit_loops=True)
         outputs_to(sch, block, "local")
-    loop = sch.get_loops(sch.get_sblock(combine))[2 if not cluster else 1]
+    loop = sch.get_loops(sch.get_sblock(combine))[depth]
     if cluster:
         grid_barrier.before_cluster(sch, loop, cluster)
     else:
@@ -190,12 +192,16 @@ class GridPersistentKnobs(Knobs):
 
 class GridPersistentCandidate(Candidate):
     """What the grid-wide forward and backward share: where they apply and are the
-    default, and their knobs; ``copies`` is how many tensors a part keeps on chip."""
+    default, and their knobs."""
 
     target_kind = "cuda"
     knobs = GridPersistentKnobs
     claims = {"shuffles": True, "vector_loads": True, "atomics": True}  # the grid barrier's
-    copies = 1
+
+    @property
+    def copies(self) -> int:
+        """How many part-sized tensors a block keeps on chip: the decomposition's."""
+        return PART_COPIES[self.algorithm]
 
     def applies(self, problem) -> bool:
         return problem.op == self.op and fits_in_parts(problem, self.copies)
@@ -253,12 +259,11 @@ class ClusterParts:
         return False
 
     def choices(self, problem, target: Target) -> dict[str, list[int]]:
-        return {"threads": thread_choices(problem, self.copies),
-                "vector": vector_choices(DTYPE_BYTES[problem.dtype], problem.shape[2])}
+        return {k: v for k, v in super().choices(problem, target).items() if k != "grid"}
 
     def default_for(self, problem, target: Target) -> ClusterKnobs:
-        return ClusterKnobs(threads=thread_choices(problem, self.copies)[-1],
-                            vector=widest_vector(problem.dtype, problem.shape[2]))
+        knobs = super().default_for(problem, target)
+        return ClusterKnobs(threads=knobs.threads, vector=knobs.vector)
 
     def grid(self, knobs):
         return None
@@ -289,8 +294,8 @@ class PipelinedRounds:
     def schedule(self, sch, problem, knobs) -> None:
         super().schedule(sch, problem, knobs)
         copies = [sch.get_sblock(name) for name in self.on_chip]
-        after = sch.get_sblock(self.combine) if async_rounds.ISSUE_AFTER_THE_BARRIER else None
-        async_rounds.pipeline(sch, sch.get_loops(copies[0])[1], copies, [sch.get_sblock(self.partial)], after)
+        async_rounds.pipeline(sch, sch.get_loops(copies[0])[1], copies, [sch.get_sblock(self.partial)],
+                              sch.get_sblock(self.combine))
 
 
 @register
@@ -310,9 +315,9 @@ class BNForwardGridPersistent(GridPersistentCandidate):
         sch.compute_inline(sch.get_sblock("shift"))
         round_loop = task_rounds(sch, partial, y, count, self.grid(knobs))
         # 4. The map's coefficients after the barrier, every thread in its registers.
-        after_barrier(sch, round_loop, ("bn_scale", "bn_shift", "var_map", "mean_map", "moments_map"), "moments_map",
-                      self.cluster(problem))
         depth = self.depth(knobs)
+        after_barrier(sch, round_loop, ("bn_scale", "bn_shift", "var_map", "mean_map", "moments_map"), "moments_map",
+                      depth, self.cluster(problem))
         copy_in(sch, copy, round_loop, knobs, depth)
         # 2. The partial sums across the lanes, 16 bytes of the copy at a time; K[c]
         # loaded once a round into a register (inlined, nvcc reloaded it for every value).

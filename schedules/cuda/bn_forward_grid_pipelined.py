@@ -28,7 +28,7 @@ ms, this candidate's default against ``bn_forward_grid_persistent``'s in the sam
 fp16 0.0559 against 0.0528, 64x256x56x56 fp32 0.1917 against 0.1831; forward +
 backward with ``bn_backward_grid_pipelined`` 0.2807 against 0.2584 (fp16). **Slower
 everywhere: the prediction missed.** The copies issued at the round's start (the first
-version, ``async_rounds.ISSUE_AFTER_THE_BARRIER`` off) took the same on fp16 (0.1040)
+version, at dcb3eb4 with ``async_rounds.ISSUE_AFTER_THE_BARRIER`` off) took the same on fp16 (0.1040)
 and longer on fp32 (0.2059). What the numbers fit: a fixed cost a round of about 3.5-4.5
 us (the grid barrier, the block's reduction, the partials' loads after it), which the
 doubled rounds pay twice while the overlap saves about as much; with 8 and 16 rounds
@@ -48,6 +48,5 @@ from .bn_forward_grid_persistent import BNForwardGridPersistent, PipelinedRounds
 @register
 class BNForwardGridPipelined(PipelinedRounds, BNForwardGridPersistent):
     name = "bn_forward_grid_pipelined"
-    algorithm = "shifted_half_parts"
-    copies = 2  # this round's part and the next one's
+    algorithm = "shifted_half_parts"  # this round's part and the next one's on chip
     on_chip, partial, combine = ("x_shared.dyn",), "part_moments", "moments_map"

@@ -11,10 +11,12 @@ from ..contracts import (
     CrossEntropyProblem, Problem,
 )
 from .bn_backward import ALGORITHMS as BN_BACKWARD_ALGORITHMS
+from .bn_backward import PART_COPIES as BN_BACKWARD_PART_COPIES
 from .bn_backward import bn_backward_te
 from .bn_backward_dx import ALGORITHMS as BN_BACKWARD_DX_ALGORITHMS
 from .bn_backward_dx import bn_backward_dx_te
 from .bn_forward import ALGORITHMS as BN_FORWARD_ALGORITHMS
+from .bn_forward import PART_COPIES as BN_FORWARD_PART_COPIES
 from .bn_forward import bn_forward_te
 from .bn_forward import default_algorithm as bn_forward_default
 from .bn_stats import ALGORITHMS as BN_ALGORITHMS
@@ -76,6 +78,9 @@ PARTITION_LIKELY_ATTR = "tvm_fusion.partition_likely"
 # as :mod:`tvm_fusion.async_rounds` says.
 ASYNC_ROUNDS = ("shifted_half_parts", "dual_reduce_half_parts")
 ASYNC_ROUNDS_ATTR = "tvm_fusion.async_rounds"
+# The parts decompositions (bn_stats.parts), and how many part-sized copies each
+# keeps on chip: what a schedule of one sizes its shared memory by.
+PART_COPIES = {**BN_FORWARD_PART_COPIES, **BN_BACKWARD_PART_COPIES}
 
 
 def prim_func(problem: Problem, algorithm: str | None = None) -> tirx.PrimFunc:

@@ -178,9 +178,9 @@ PART_BYTES = 200 * 1024
 
 def parts(problem, copies: int = 1) -> int:
     """How many parts ``part_statistics`` (and the backward's ``dual_reduce_parts`` and
-    ``dual_reduce_half_parts``) cut each channel into along the first axis (N, or M channels-last): the fewest that
-    divide it with ``copies`` tensors' parts in at most ``PART_BYTES``, else one row of
-    it a part."""
+    ``dual_reduce_half_parts``) cut each channel into along the first axis (N, or M
+    channels-last): the fewest that divide it with ``copies`` tensors' parts in at most
+    ``PART_BYTES``, else one row of it a part."""
     rows, per_row = problem.shape[0], copies * problem.count // problem.shape[0] * DTYPE_BYTES[problem.dtype]
     return next((p for p in range(1, rows + 1) if rows % p == 0 and rows // p * per_row <= PART_BYTES), rows)
 
