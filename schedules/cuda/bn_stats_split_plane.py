@@ -21,7 +21,7 @@ Kernel 2, grid (C,): Stage 2.
 
 Not used: atomicAdd of the partials into (sum, sumsq) (order-dependent results and a
 zeroing pass); a single persistent kernel with a grid barrier (TVM 0.27 can launch one
-cooperatively, bn_forward_persistent; for the statistics alone it saves a launch, not
+cooperatively, bn_forward_grid_persistent; for the statistics alone it saves a launch, not
 bytes).
 """
 
