@@ -1,6 +1,7 @@
-"""bn_forward_cluster and bn_backward_cluster: the grid-wide BatchNorm kernels without
-rounds, a channel's parts one thread-block cluster, a cluster barrier between the
-partial sums and the map (tvm_fusion.grid_barrier.before_cluster).
+"""bn_forward_cluster (and its smaller parts, bn_forward_cluster_half and _quarter) and
+bn_backward_cluster: the grid-wide BatchNorm kernels without rounds, a channel's parts
+one thread-block cluster, a cluster barrier between the partial sums and the map
+(tvm_fusion.grid_barrier.before_cluster).
 
 Where they apply (at most 8 parts a channel: a portable cluster), what their CUDA code
 must show (one cluster barrier between the partials' stores and their loads, fenced on
@@ -24,25 +25,58 @@ from tvm_fusion.kernel import build_kernel, compiled_form
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
 FORWARD = registry.get("bn_forward_cluster")
 BACKWARD = registry.get("bn_backward_cluster")
+HALF = registry.get("bn_forward_cluster_half")
+QUARTER = registry.get("bn_forward_cluster_quarter")
 
 # (shape, dtype, parts): 401 KB fp16 channels in 2 parts (x) and 4 (x and dy), 802 KB
 # bf16 channels in 4 and 8, 256 KB fp32 ones, odd 15x15 planes (scalar loads).
 FORWARD_APPLIES = [((64, 256, 56, 56), "float16", 2), ((32, 64, 112, 112), "bfloat16", 4),
                    ((16, 8, 64, 64), "float32", 2), ((1024, 3, 15, 15), "float16", 4)]
+# The forward's smaller parts: twice and four times the parts, where that is at most 8.
+HALF_APPLIES = [((64, 256, 56, 56), "float16", 4), ((32, 64, 112, 112), "bfloat16", 8),
+                ((16, 8, 64, 64), "float32", 4), ((1024, 3, 15, 15), "float16", 8)]
+QUARTER_APPLIES = [((64, 256, 56, 56), "float16", 8), ((16, 8, 64, 64), "float32", 8)]
 BACKWARD_APPLIES = [((64, 256, 56, 56), "float16", 4), ((32, 64, 112, 112), "bfloat16", 8),
                     ((16, 8, 64, 64), "float32", 4), ((1024, 3, 15, 15), "float16", 8)]
 
 
 @pytest.mark.parametrize("cand, make, copies, shape, dtype, parts",
                          [(FORWARD, problem, 1, *case) for case in FORWARD_APPLIES]
+                         + [(HALF, problem, 2, *case) for case in HALF_APPLIES]
+                         + [(QUARTER, problem, 4, *case) for case in QUARTER_APPLIES]
                          + [(BACKWARD, backward_problem, 2, *case) for case in BACKWARD_APPLIES],
                          ids=lambda v: getattr(v, "name", None))
 def test_applies_in_parts_of_at_most_a_portable_cluster(cand, make, copies, shape, dtype, parts):
     p = make(shape, dtype)
     assert cand.applies(p) and bn_stats.parts(p, copies) == parts == cand.cluster(p)
     assert "grid" not in cand.choices(p, CUDA) and cand.grid(cand.default_for(p, CUDA)) is None
-    assert not cand.prefers(p, CUDA), "unmeasured: the tuner chooses it, not the heuristic"
     assert not cand.applies(make(shape, dtype, training=False))
+
+
+def test_default_lanes_keep_the_bytes_a_lane():
+    """A part of half (a quarter of) the bytes: half (a quarter of) the lanes by default,
+    the largest choice under 1024 / 2 (/ 4); the plain cluster candidates keep the
+    grid-wide default."""
+    p = problem((64, 256, 56, 56), "float16")
+    assert FORWARD.default_for(p, CUDA).threads == registry.get("bn_forward_grid_persistent").default_for(p, CUDA).threads == 896
+    assert HALF.default_for(p, CUDA).threads == 448 and QUARTER.default_for(p, CUDA).threads == 224
+    b = backward_problem((64, 256, 56, 56), "float16")
+    assert BACKWARD.default_for(b, CUDA).threads == registry.get("bn_backward_grid_persistent").default_for(b, CUDA).threads
+
+
+@pytest.mark.parametrize("shape, dtype, preferred", [
+    ((64, 256, 56, 56), "float16", True), ((64, 256, 56, 56), "bfloat16", True), ((64, 256, 56, 56), "float32", True),
+    ((32, 64, 112, 112), "float16", False),  # 512 tasks, 3.9 an SM: the H100 timed it 4% slower than grid-wide
+    ((8, 64, 112, 112), "float16", False),   # 64 channels: the grid-wide kernel's largest grid is not the SMs
+])
+def test_only_the_half_parts_forward_is_preferred_where_it_was_faster(shape, dtype, preferred):
+    """bn_forward_cluster_half where the grid-wide forward would be and each SM gets four
+    tasks or more (its docstring's H100 table), ahead of it in dispatch order; the other
+    cluster candidates never."""
+    p, b = problem(shape, dtype), backward_problem(shape, dtype)
+    assert HALF.prefers(p, CUDA) == preferred
+    assert not any(c.prefers(p, CUDA) for c in (FORWARD, QUARTER)) and not BACKWARD.prefers(b, CUDA)
+    assert (registry.default_candidate(p, CUDA).name == HALF.name) == preferred
 
 
 @pytest.mark.parametrize("cand, make", [(FORWARD, problem), (BACKWARD, backward_problem)], ids=["forward", "backward"])
@@ -74,9 +108,11 @@ def check_cluster_source(kernel, partials: str, parts: int) -> str:
     return first
 
 
-@pytest.mark.parametrize("shape, dtype, parts", FORWARD_APPLIES)
-def test_forward_cuda_source_has_the_cluster_barrier(shape, dtype, parts):
-    kernel = build_kernel(problem(shape, dtype), CUDA, FORWARD.name)
+@pytest.mark.parametrize("cand, shape, dtype, parts", [(FORWARD, *case) for case in FORWARD_APPLIES]
+                         + [(HALF, *case) for case in HALF_APPLIES] + [(QUARTER, *case) for case in QUARTER_APPLIES],
+                         ids=lambda v: getattr(v, "name", None))
+def test_forward_cuda_source_has_the_cluster_barrier(cand, shape, dtype, parts):
+    kernel = build_kernel(problem(shape, dtype), CUDA, cand.name)
     first = check_cluster_source(kernel, "part_moments", parts)
     assert "running_mean_out_ptr" not in first and "save_mean_ptr" not in first
 

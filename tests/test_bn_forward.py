@@ -166,7 +166,7 @@ def test_problem_round_trips_and_eval_takes_no_momentum():
         names = [p.name for p in func.params]
         outputs = ["y", "save_mean", "save_invstd"] + (["running_mean_out", "running_var_out"] if training else [])
         assert ("momentum" in names) == training and names[-len(outputs):] == outputs
-        training_algorithms = ("shifted", "shifted_sampled", "shifted_parts", "shifted_half_parts")
+        training_algorithms = ("shifted", "shifted_sampled", "shifted_parts", "shifted_half_parts", "shifted_quarter_parts")
         assert algorithms_for(problem) == (training_algorithms if training else ("running",))
 
 

@@ -17,8 +17,16 @@ other P - 1 blocks only, once; blocks start and end at their own times, so while
 SMs read their parts others write theirs, and no cooperative launch limits the grid to
 one wave. The cost: a tail wave (64x256x56x56 fp16: P = 2, 512 blocks of 200 KB, one an
 SM, 3.9 waves over 132 SMs). Predicted there: near the copy rate, about 0.075 ms on an
-H100 against 0.1004 for the grid-wide kernel. Not yet run on a GPU: the tuner may pick
-it; dispatch does not prefer it until it is measured.
+H100 against 0.1004 for the grid-wide kernel.
+
+Measured (H100, 2026-12-05T18:29Z, rows "probe: cluster BatchNorm against grid-wide and
+dispatch" of results/benchmarks.csv, copy 3015 GB/s, each kernel checked against float64
+on poisoned outputs first), ms, against ``bn_forward_grid_persistent`` in the same run:
+64x256x56x56 fp16 0.0959 against 0.1017, bf16 0.0979 against 0.0993, fp32 0.1801 against
+0.1815, 32x64x112x112 fp16 0.0598 against 0.0532. **The prediction missed**: 6% less at
+best, 12% more on 32x64x112x112 (P = 4, 256 blocks of 200 KB: under two waves). Smaller
+parts did better (``bn_forward_cluster_half``, ``bn_forward_cluster_quarter``). The
+tuner may pick it; dispatch does not prefer it.
 """
 
 from __future__ import annotations

@@ -242,15 +242,19 @@ class ClusterKnobs(Knobs):
 
 
 class ClusterParts:
-    """What the cluster candidates (``bn_forward_cluster``, ``bn_backward_cluster``)
-    change in the grid-wide ones they derive from: a block a (channel, part) task, no
-    rounds and no grid barrier; a channel's P parts (consecutive blocks) are one
-    thread-block cluster, and the barrier between the partial sums and the map waits for
-    that cluster alone (``grid_barrier.before_cluster``). So P is at most 8 (a portable
-    cluster), and the knobs have no grid."""
+    """What the cluster candidates (``bn_forward_cluster``, ``bn_backward_cluster`` and
+    the forward's smaller parts, ``bn_forward_cluster_half`` and ``_quarter``) change in
+    the grid-wide ones they derive from: a block a (channel, part) task, no rounds and no
+    grid barrier; a channel's P parts (consecutive blocks) are one thread-block cluster,
+    and the barrier between the partial sums and the map waits for that cluster alone
+    (``grid_barrier.before_cluster``). So P is at most 8 (a portable cluster), and the
+    knobs have no grid. ``lane_share``: the default lanes are the grid-wide default's
+    over it (at most ``LANES``' largest over it), the same bytes a lane where a part
+    has 1/``lane_share`` of the bytes."""
 
     knobs = ClusterKnobs
     claims = {"shuffles": True, "vector_loads": True}
+    lane_share = 1
 
     def applies(self, problem) -> bool:
         return super().applies(problem) and parts(problem, self.copies) <= MAX_CLUSTER
@@ -263,7 +267,8 @@ class ClusterParts:
 
     def default_for(self, problem, target: Target) -> ClusterKnobs:
         knobs = super().default_for(problem, target)
-        return ClusterKnobs(threads=knobs.threads, vector=knobs.vector)
+        lanes = [t for t in self.choices(problem, target)["threads"] if t <= LANES[-1] // self.lane_share]
+        return ClusterKnobs(threads=max(lanes, default=knobs.threads), vector=knobs.vector)
 
     def grid(self, knobs):
         return None

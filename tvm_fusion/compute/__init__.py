@@ -75,7 +75,9 @@ PARTITION_LIKELY = ("fused_head",)
 PARTITION_LIKELY_ATTR = "tvm_fusion.partition_likely"
 # Decompositions whose schedules pipeline a persistent kernel's rounds (the next part
 # copied in with cp.async while this one is reduced and mapped): the build lowers them
-# as :mod:`tvm_fusion.async_rounds` says.
+# as :mod:`tvm_fusion.async_rounds` says. ``bn_forward_cluster_half`` takes
+# ``shifted_half_parts`` unpipelined, and so the same lowering: no pipeline to lower, and
+# storage rewrite off (its H100 timings are of that build).
 ASYNC_ROUNDS = ("shifted_half_parts", "dual_reduce_half_parts")
 ASYNC_ROUNDS_ATTR = "tvm_fusion.async_rounds"
 # The parts decompositions (bn_stats.parts), and how many part-sized copies each

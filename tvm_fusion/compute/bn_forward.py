@@ -22,7 +22,11 @@ in a kernel after it (``bn_forward_grid_persistent``).
 ``shifted_half_parts`` (training): ``shifted_parts`` with parts of at most half the
 bytes, so that a schedule keeps two parts of a block on chip at once: the one it
 reduces and maps, and the next one it copies in meanwhile
-(``bn_forward_grid_pipelined``).
+(``bn_forward_grid_pipelined``); or so that a block takes half the bytes and two blocks
+share an SM (``bn_forward_cluster_half``).
+
+``shifted_quarter_parts`` (training): ``shifted_parts`` with parts of at most a quarter
+of the bytes (50 KB), up to four blocks an SM (``bn_forward_cluster_quarter``).
 
 ``running`` (eval): the same map, ``mean`` and ``var`` read from the running
 statistics (no reduction).
@@ -38,10 +42,10 @@ from ..contracts.bn_forward import BNForwardProblem
 from .bn_stats import combine_parts, part_statistics, statistics
 from .primitives import dims, index_dtype, widen
 
-ALGORITHMS = ("shifted", "shifted_sampled", "shifted_parts", "shifted_half_parts", "running")
+ALGORITHMS = ("shifted", "shifted_sampled", "shifted_parts", "shifted_half_parts", "shifted_quarter_parts", "running")
 # The parts decompositions, and how many copies of a part of x each keeps on chip
 # (``bn_stats.parts``).
-PART_COPIES = {"shifted_parts": 1, "shifted_half_parts": 2}
+PART_COPIES = {"shifted_parts": 1, "shifted_half_parts": 2, "shifted_quarter_parts": 4}
 F32 = "float32"
 
 
@@ -55,7 +59,7 @@ def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> li
     (training: "shifted" by default; eval: "running")."""
     algorithm = algorithm or default_algorithm(problem)
     if algorithm not in ALGORITHMS or (algorithm == "running") == problem.training:
-        wanted = "shifted, shifted_sampled, shifted_parts or shifted_half_parts" if problem.training else "running"
+        wanted = ", ".join(ALGORITHMS[:-2]) + " or " + ALGORITHMS[-2] if problem.training else "running"
         raise ValueError(f"bn_forward: {'training' if problem.training else 'eval'} takes algorithm {wanted}, "
                          f"got {algorithm!r}")
     idx = index_dtype(problem.numel)
