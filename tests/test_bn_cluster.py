@@ -154,3 +154,16 @@ def test_a_grid_that_is_no_whole_number_of_clusters_is_refused():
         grid_barrier.with_barriers(func)
     ok = tvm.tirx.PrimFunc([], tvm.tirx.AttrStmt(bx, "thread_extent", 8, marked))
     assert 'T.launch_thread("clusterCtaIdx.x", 4)' in grid_barrier.with_barriers(ok).script()
+
+
+def test_no_cluster_candidate_on_an_arch_without_clusters():
+    """sm_80 has no thread-block clusters: the candidates decline (the tuner's space skips
+    them, a build by name names the arch), and the half-part forward is not preferred."""
+    sm80 = targets.resolve({"kind": "cuda", "arch": "sm_80"})
+    assert targets.has_clusters(CUDA) and not targets.has_clusters(sm80) and not targets.has_clusters("llvm")
+    p = problem((64, 256, 56, 56), "float16")
+    assert HALF.prefers(p, CUDA) and not HALF.prefers(p, sm80)
+    assert registry.default_candidate(p, sm80).name != HALF.name
+    for cand, make in ((FORWARD, problem), (HALF, problem), (QUARTER, problem), (BACKWARD, backward_problem)):
+        with pytest.raises(ValueError, match="clusters need sm_90 or later"):
+            build_kernel(make((64, 256, 56, 56), "float16"), sm80, cand.name)

@@ -122,6 +122,16 @@ def l2_bytes(target: Any) -> int:
     return int(given) if given else _arch_facts(arch)[1]
 
 
+def has_clusters(target: Any) -> bool:
+    """Whether a CUDA ``target``'s arch launches thread-block clusters (``sm_90`` and
+    later: Hopper's ``barrier.cluster``); False for other kinds."""
+    target = resolve(target)
+    if target.kind.name != "cuda":
+        return False
+    digits = "".join(ch for ch in _arch_of(target).removeprefix("sm_") if ch.isdigit())
+    return bool(digits) and int(digits) >= 90
+
+
 def _arch_of(target: Any) -> str:
     target = resolve(target)
     if target.kind.name != "cuda":

@@ -55,7 +55,7 @@ from tvm_fusion.compute.bn_stats import PART_BYTES, parts
 from tvm_fusion.contracts import BNForwardProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
-from tvm_fusion.targets import sm_count
+from tvm_fusion.targets import has_clusters, sm_count
 
 from ..common import lanes_split, merge_rows, outputs_to, read_index, stage_in_registers, thread_reduce
 from .common import reads_16_bytes, store_vectors, vector_choices, widest_vector
@@ -247,10 +247,11 @@ class ClusterParts:
     the grid-wide ones they derive from: a block a (channel, part) task, no rounds and no
     grid barrier; a channel's P parts (consecutive blocks) are one thread-block cluster,
     and the barrier between the partial sums and the map waits for that cluster alone
-    (``grid_barrier.before_cluster``). So P is at most 8 (a portable cluster), and the
-    knobs have no grid. ``lane_share``: the default lanes are the grid-wide default's
-    over it (at most ``LANES``' largest over it), the same bytes a lane where a part
-    has 1/``lane_share`` of the bytes."""
+    (``grid_barrier.before_cluster``). So P is at most 8 (a portable cluster), the knobs
+    have no grid, and the target is sm_90 or later (``targets.has_clusters``).
+    ``lane_share``: the default lanes are the grid-wide default's over it (at most
+    ``LANES``' largest over it), the same bytes a lane where a part has 1/``lane_share``
+    of the bytes."""
 
     knobs = ClusterKnobs
     claims = {"shuffles": True, "vector_loads": True}
@@ -258,6 +259,10 @@ class ClusterParts:
 
     def applies(self, problem) -> bool:
         return super().applies(problem) and parts(problem, self.copies) <= MAX_CLUSTER
+
+    def apply(self, func, target: Target, tunable: bool = False, knobs=None):
+        """Only for an arch with clusters (sm_90 on): elsewhere not this candidate."""
+        return super().apply(func, target, tunable, knobs) if has_clusters(target) else None
 
     def prefers(self, problem, target: Target) -> bool:
         return False
