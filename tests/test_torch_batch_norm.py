@@ -403,6 +403,28 @@ def test_large_shapes_on_gpu(poisoned, shape, dtype, layout, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape, dtype, forward", [
+    ((64, 256, 56, 56), "bfloat16", "bn_forward_cluster_half"),  # launched in thread-block clusters
+    ((64, 256, 56, 56), "float32", "bn_forward_cluster_half"),
+    ((64, 128, 56, 56), "float16", "bn_forward_grid_persistent"),  # launched cooperatively
+])
+def test_the_cluster_and_grid_wide_kernels_through_the_op(poisoned, shape, dtype, forward):
+    """Where dispatch (no shipped record: the heuristic) picks the forward in clusters or
+    the grid-wide one, and the grid-wide backward, the op's forward and backward equal
+    float64 torch."""
+    from tvm_fusion import targets
+    from tvm_fusion.api import make_problem
+    from tvm_fusion.dispatch import choose
+
+    cuda = targets.resolve("cuda")
+    assert choose(make_problem("bn_forward", shape, dtype, layout="NCHW"), cuda).candidate == forward
+    assert choose(make_problem("bn_backward", shape, dtype, layout="NCHW"), cuda).candidate == "bn_backward_grid_persistent"
+    seeded()
+    check_against_torch(*make(shape, dtype, "cuda", "train"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")
 def test_batch_norm_1d_on_gpu(poisoned):
     seeded()
     x, *rest = make((512, 1000), "float32", "cuda", "train")
