@@ -167,3 +167,39 @@ def test_no_cluster_candidate_on_an_arch_without_clusters():
     for cand, make in ((FORWARD, problem), (HALF, problem), (QUARTER, problem), (BACKWARD, backward_problem)):
         with pytest.raises(ValueError, match="clusters need sm_90 or later"):
             build_kernel(make((64, 256, 56, 56), "float16"), sm80, cand.name)
+
+
+ROUNDS = [(registry.get("bn_forward_cluster_rounds"), problem, "part_moments", 4, 256),
+          (registry.get("bn_backward_cluster_rounds"), backward_problem, "part_grad_sums", 4, 128)]
+
+
+@pytest.mark.parametrize("cand, make, partials, parts, grid", ROUNDS, ids=["forward", "backward"])
+def test_the_rounds_candidates_wait_at_a_cluster_barrier_each_round(cand, make, partials, parts, grid, tmp_path):
+    """64x256x56x56 fp16: G blocks (a multiple of P that divides the 1024 tasks, as many as
+    fit the SMs' shared memory: two 100 KB forward blocks an SM, one 200 KB backward
+    block) walk the tasks in rounds; in the round loop one fenced cluster barrier between
+    the partials' stores and loads; launched in clusters of P, not cooperatively."""
+    p = make((64, 256, 56, 56), "float16")
+    knobs = cand.default_for(p, CUDA)
+    assert cand.cluster(p) == parts and knobs.grid == grid == max(cand.choices(p, CUDA)["grid"])
+    assert all(g % parts == 0 and 1024 % g == 0 for g in cand.choices(p, CUDA)["grid"])
+    assert not cand.prefers(p, CUDA), "unmeasured: the tuner chooses it, not the heuristic"
+    kernel = build_kernel(p, CUDA, cand.name)
+    first, outputs = kernel_bodies(kernel.device_source())
+    assert "cluster_sync" not in outputs and "grid_sync" not in first + outputs
+    rounds = re.search(r"for \(int c_p_fused_0\w* = 0; c_p_fused_0\w* < (\d+);", first)
+    assert rounds and int(rounds.group(1)) == 1024 // grid, "the rounds"
+    assert first.count("tvm_builtin_cuda_cluster_sync();") == 1
+    at = first.index("tvm_builtin_cuda_cluster_sync();")
+    assert at > rounds.start() and first[:at].rstrip().endswith("tvm_builtin_cuda_thread_fence();")
+    stored = [m.start() for m in re.finditer(rf"\b{partials}_v[01]_ptr\[[^\]]*\] =", first)]
+    loaded = [m.start() for m in re.finditer(rf"= \([^;]*\b{partials}_v[01]_ptr\[", first)]
+    assert stored and loaded and max(stored) < at < min(loaded)
+    mod = compiled_form(kernel.mod, p)
+    pipeline, _, _ = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE)
+    with CUDA:
+        lowered = pipeline(tvm.IRModule({g: f.with_attr("target", CUDA) for g, f in mod.functions.items()}))
+    text = "".join(f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    launches = re.findall(r'T.launch_thread\("(blockIdx.x|clusterCtaIdx.x)", (\d+)\)', text)
+    assert launches[:2] == [("blockIdx.x", str(grid)), ("clusterCtaIdx.x", str(parts))], launches
+    assert grid_barrier.COOPERATIVE not in text

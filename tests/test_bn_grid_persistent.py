@@ -184,8 +184,8 @@ def check_backward_knobs_on_gpu(p, cand) -> None:
 # -- every grid-wide candidate: these two, the pipelined ones (test_bn_grid_pipelined.py)
 # and the cluster ones (test_bn_cluster.py) ----------------------------------------------
 FORWARDS = ("bn_forward_grid_persistent", "bn_forward_grid_pipelined", "bn_forward_cluster", "bn_forward_cluster_half",
-            "bn_forward_cluster_quarter")
-BACKWARDS = ("bn_backward_grid_persistent", "bn_backward_grid_pipelined", "bn_backward_cluster")
+            "bn_forward_cluster_quarter", "bn_forward_cluster_rounds")
+BACKWARDS = ("bn_backward_grid_persistent", "bn_backward_grid_pipelined", "bn_backward_cluster", "bn_backward_cluster_rounds")
 # 120 KB fp16 channels: the pipelined kernels' one round of 6 blocks or three of 2 (the
 # others take them in one part, so not at all).
 SMALL_PARTS = (32, 3, 40, 48)

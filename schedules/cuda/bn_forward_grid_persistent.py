@@ -282,6 +282,47 @@ class ClusterParts:
         return parts(problem, self.copies)
 
 
+# Shared memory of an SM that blocks may take (sm_90: 227 KB): how many blocks of a part
+# size can be resident on one SM at once.
+SHARED_BYTES_AN_SM = 227 * 1024
+
+
+def resident_blocks(problem, target: Target, count: int, tensors: int) -> int:
+    """Blocks that keep ``tensors`` parts (of ``count`` a channel) each and fit the SMs'
+    shared memory at once."""
+    block = tensors * problem.count // count * DTYPE_BYTES[problem.dtype]
+    return sm_count(target) * max(1, SHARED_BYTES_AN_SM // block)
+
+
+class ClusterRounds(ClusterParts):
+    """What the cluster candidates with rounds (``bn_forward_cluster_rounds``,
+    ``bn_backward_cluster_rounds``) change in ``ClusterParts``: a grid of G blocks, in
+    clusters of P, walks the (channel, part) tasks in rounds of G, as the grid-wide
+    kernels' does, with the cluster barrier in each round instead of the grid's (a
+    channel's P tasks are consecutive blocks of one cluster in the same round). G is a
+    knob: multiples of P that divide the tasks, up to the blocks whose parts fit the
+    SMs' shared memory at once (``resident_blocks``; no cooperative launch: a cluster
+    waits for its own blocks only). ``tensors``: the parts a block keeps on chip (x; x
+    and dy)."""
+
+    knobs = GridPersistentKnobs
+    tensors = 1
+
+    def choices(self, problem, target: Target) -> dict[str, list[int]]:
+        count = parts(problem, self.copies)
+        tasks, most = count * problem.channels, resident_blocks(problem, target, count, self.tensors)
+        grids = [g for g in range(count, min(tasks, most) + 1, count) if tasks % g == 0]
+        return {**super().choices(problem, target), "grid": grids}
+
+    def default_for(self, problem, target: Target) -> GridPersistentKnobs:
+        knobs = super().default_for(problem, target)
+        return GridPersistentKnobs(threads=knobs.threads, vector=knobs.vector,
+                                   grid=self.choices(problem, target)["grid"][-1])
+
+    def grid(self, knobs):
+        return knobs.grid
+
+
 class PipelinedRounds:
     """What the pipelined grid-wide candidates (``bn_forward_grid_pipelined``,
     ``bn_backward_grid_pipelined``) add to the grid-wide ones they derive from: 16-byte
