@@ -125,6 +125,17 @@ def test_backward_cuda_source_has_the_cluster_barrier(shape, dtype, parts):
     assert not re.search(r"\b(x|dy)_ptr\b", first[at:]), "dx from the copies only"
 
 
+def lowered_launches(kernel, p):
+    """The ``blockIdx.x`` and ``clusterCtaIdx.x`` launch dimensions (name, extent) of the
+    kernel's functions after launch_order's pipeline, in order, and that pipeline's TIR."""
+    mod = compiled_form(kernel.mod, p)
+    pipeline, _, _ = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE)
+    with CUDA:
+        lowered = pipeline(tvm.IRModule({g: f.with_attr("target", CUDA) for g, f in mod.functions.items()}))
+    text = "".join(f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    return re.findall(r'T.launch_thread\("(blockIdx.x|clusterCtaIdx.x)", (\d+)\)', text), text
+
+
 @pytest.mark.parametrize("cand, make", [(FORWARD, problem), (BACKWARD, backward_problem)], ids=["forward", "backward"])
 def test_only_the_kernel_with_the_barrier_is_launched_in_clusters(cand, make, tmp_path):
     """launch_order's pipeline gives the first kernel a ``clusterCtaIdx.x`` launch
@@ -133,12 +144,7 @@ def test_only_the_kernel_with_the_barrier_is_launched_in_clusters(cand, make, tm
     CUDA runtime launches such a kernel with cuLaunchKernelEx and that cluster size)."""
     p = make((64, 256, 56, 56), "float16")
     kernel = build_kernel(p, CUDA, cand.name)
-    mod = compiled_form(kernel.mod, p)
-    pipeline, _, _ = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE)
-    with CUDA:
-        lowered = pipeline(tvm.IRModule({g: f.with_attr("target", CUDA) for g, f in mod.functions.items()}))
-    text = "".join(f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
-    launches = re.findall(r'T.launch_thread\("(blockIdx.x|clusterCtaIdx.x)", (\d+)\)', text)
+    launches, text = lowered_launches(kernel, p)
     blocks = p.channels * cand.cluster(p)
     assert launches[:2] == [("blockIdx.x", str(blocks)), ("clusterCtaIdx.x", str(cand.cluster(p)))], launches
     assert [name for name, _ in launches].count("clusterCtaIdx.x") == 1 and grid_barrier.COOPERATIVE not in text
@@ -174,7 +180,7 @@ ROUNDS = [(registry.get("bn_forward_cluster_rounds"), problem, "part_moments", 4
 
 
 @pytest.mark.parametrize("cand, make, partials, parts, grid", ROUNDS, ids=["forward", "backward"])
-def test_the_rounds_candidates_wait_at_a_cluster_barrier_each_round(cand, make, partials, parts, grid, tmp_path):
+def test_the_rounds_candidates_wait_at_a_cluster_barrier_each_round(cand, make, partials, parts, grid):
     """64x256x56x56 fp16: G blocks (a multiple of P that divides the 1024 tasks, as many as
     fit the SMs' shared memory: two 100 KB forward blocks an SM, one 200 KB backward
     block) walk the tasks in rounds; in the round loop one fenced cluster barrier between
@@ -195,11 +201,6 @@ def test_the_rounds_candidates_wait_at_a_cluster_barrier_each_round(cand, make, 
     stored = [m.start() for m in re.finditer(rf"\b{partials}_v[01]_ptr\[[^\]]*\] =", first)]
     loaded = [m.start() for m in re.finditer(rf"= \([^;]*\b{partials}_v[01]_ptr\[", first)]
     assert stored and loaded and max(stored) < at < min(loaded)
-    mod = compiled_form(kernel.mod, p)
-    pipeline, _, _ = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE)
-    with CUDA:
-        lowered = pipeline(tvm.IRModule({g: f.with_attr("target", CUDA) for g, f in mod.functions.items()}))
-    text = "".join(f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
-    launches = re.findall(r'T.launch_thread\("(blockIdx.x|clusterCtaIdx.x)", (\d+)\)', text)
+    launches, text = lowered_launches(kernel, p)
     assert launches[:2] == [("blockIdx.x", str(grid)), ("clusterCtaIdx.x", str(parts))], launches
     assert grid_barrier.COOPERATIVE not in text
