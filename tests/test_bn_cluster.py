@@ -17,10 +17,10 @@ import re
 import pytest
 import tvm
 
-from test_bn_grid_persistent import backward_problem, kernel_bodies, problem
-from tvm_fusion import grid_barrier, launch_order, registry, targets
+from test_bn_grid_persistent import backward_problem, kernel_bodies, lowered, problem
+from tvm_fusion import grid_barrier, registry, targets
 from tvm_fusion.compute import bn_stats
-from tvm_fusion.kernel import build_kernel, compiled_form
+from tvm_fusion.kernel import build_kernel
 
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
 FORWARD = registry.get("bn_forward_cluster")
@@ -32,12 +32,12 @@ QUARTER = registry.get("bn_forward_cluster_quarter")
 # bf16 channels in 4 and 8, 256 KB fp32 ones, odd 15x15 planes (scalar loads).
 FORWARD_APPLIES = [((64, 256, 56, 56), "float16", 2), ((32, 64, 112, 112), "bfloat16", 4),
                    ((16, 8, 64, 64), "float32", 2), ((1024, 3, 15, 15), "float16", 4)]
-# The forward's smaller parts: twice and four times the parts, where that is at most 8.
-HALF_APPLIES = [((64, 256, 56, 56), "float16", 4), ((32, 64, 112, 112), "bfloat16", 8),
-                ((16, 8, 64, 64), "float32", 4), ((1024, 3, 15, 15), "float16", 8)]
-QUARTER_APPLIES = [((64, 256, 56, 56), "float16", 8), ((16, 8, 64, 64), "float32", 8)]
 BACKWARD_APPLIES = [((64, 256, 56, 56), "float16", 4), ((32, 64, 112, 112), "bfloat16", 8),
                     ((16, 8, 64, 64), "float32", 4), ((1024, 3, 15, 15), "float16", 8)]
+# The forward's smaller parts: twice (the parts of two copies, as x and dy take) and four
+# times the parts, where that is at most 8.
+HALF_APPLIES = BACKWARD_APPLIES
+QUARTER_APPLIES = [((64, 256, 56, 56), "float16", 8), ((16, 8, 64, 64), "float32", 8)]
 
 
 @pytest.mark.parametrize("cand, make, copies, shape, dtype, parts",
@@ -128,11 +128,7 @@ def test_backward_cuda_source_has_the_cluster_barrier(shape, dtype, parts):
 def lowered_launches(kernel, p):
     """The ``blockIdx.x`` and ``clusterCtaIdx.x`` launch dimensions (name, extent) of the
     kernel's functions after launch_order's pipeline, in order, and that pipeline's TIR."""
-    mod = compiled_form(kernel.mod, p)
-    pipeline, _, _ = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE)
-    with CUDA:
-        lowered = pipeline(tvm.IRModule({g: f.with_attr("target", CUDA) for g, f in mod.functions.items()}))
-    text = "".join(f.script() for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    text = "".join(f.script() for f in lowered(kernel, p).functions.values() if isinstance(f, tvm.tirx.PrimFunc))
     return re.findall(r'T.launch_thread\("(blockIdx.x|clusterCtaIdx.x)", (\d+)\)', text), text
 
 

@@ -101,21 +101,27 @@ def test_cuda_source_has_the_barrier_between_the_partials_and_their_combine(shap
     assert "running_mean_out_ptr" not in persistent and "save_mean_ptr" not in persistent
 
 
+def lowered(kernel, p) -> tvm.IRModule:
+    """The kernel's functions through launch_order's pipeline (barriers inserted,
+    launches tagged)."""
+    mod = compiled_form(kernel.mod, p)
+    pipeline, _, _ = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE)
+    with CUDA:
+        return pipeline(tvm.IRModule({g: f.with_attr("target", CUDA) for g, f in mod.functions.items()}))
+
+
 def test_the_function_is_tagged_for_a_cooperative_launch_only_where_a_loop_is_marked():
     """``launch_order``'s pipeline inserts the barrier and tags the function with
     ``tirx.use_cooperative_launch`` (TVM's host/device split copies a function's
     ``tirx.kernel_launch_params`` onto its kernels); a function with no mark keeps
     plain launches (bn_forward_block_per_channel's)."""
     p = problem((64, 256, 56, 56), "float16")
-    pipeline, _, _ = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE)
     for name, marked in ((NAME, True), ("bn_forward_block_per_channel", False)):
-        mod = compiled_form(build_kernel(p, CUDA, name).mod, p)
-        with CUDA:
-            lowered = pipeline(tvm.IRModule({g: f.with_attr("target", CUDA) for g, f in mod.functions.items()}))
-        tags = [str(t) for f in lowered.functions.values() if isinstance(f, tvm.tirx.PrimFunc)
+        mod = lowered(build_kernel(p, CUDA, name), p)
+        tags = [str(t) for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)
                 for t in (f.attrs.get(grid_barrier.LAUNCH_PARAMS, []) if f.attrs is not None else [])]
         assert (grid_barrier.COOPERATIVE in tags) == marked, (name, tags)
-        assert ("cuda.grid_sync" in "".join(f.script() for f in lowered.functions.values())) == marked
+        assert ("cuda.grid_sync" in "".join(f.script() for f in mod.functions.values())) == marked
 
 
 def test_a_barrier_under_a_condition_is_refused():
@@ -164,8 +170,6 @@ def test_backward_cuda_source_has_the_barrier_between_the_partials_and_their_com
     # dx reads x and dy from the copies only: neither is loaded from global memory after the barrier.
     assert not re.search(r"\b(x|dy)_ptr\b", persistent[at:])
     assert "dweight_ptr" not in persistent and "dbias_ptr" not in persistent
-
-
 
 
 def check_backward_knobs_on_gpu(p, cand) -> None:

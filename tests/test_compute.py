@@ -175,17 +175,18 @@ def test_bn_forward_training_decompositions(algorithm, shape, layout):
         assert_close(got.reshape(want[name].shape), want[name], tol["rtol"], tol["atol"], name)
 
 
-@pytest.mark.parametrize("algorithm, copies", [("shifted_parts", 1), ("shifted_half_parts", 2), ("shifted_quarter_parts", 4)])
+@pytest.mark.parametrize("algorithm", ["shifted_parts", "shifted_half_parts", "shifted_quarter_parts"])
 @pytest.mark.parametrize("shape, layout, parts", [((6, 4, 5), "NCHW", 3), ((6, 5, 3, 2), "NHWC", 2)])
-def test_bn_forward_shifted_parts_with_several_parts(monkeypatch, shape, layout, parts, algorithm, copies):
+def test_bn_forward_shifted_parts_with_several_parts(monkeypatch, shape, layout, parts, algorithm):
     """``shifted_parts``, ``shifted_half_parts`` and ``shifted_quarter_parts`` cut into
     several parts (a part's byte limit lowered so that these small shapes have them; the
     smaller parts' copies count twice or four times): the partials added up twice give
     the float64 outputs."""
-    from tvm_fusion.compute import bn_stats
+    from tvm_fusion.compute import PART_COPIES, bn_stats
     from tvm_fusion.contracts import bn_forward as ref
     from tvm_fusion.contracts.bn_forward import bn_forward_problem
 
+    copies = PART_COPIES[algorithm]
     problem = bn_forward_problem(shape, "float32", layout)
     per_row = copies * problem.count // problem.shape[0] * 4
     monkeypatch.setattr(bn_stats, "PART_BYTES", problem.shape[0] // parts * per_row)

@@ -106,14 +106,17 @@ def _in_clusters(launch: tirx.AttrStmt, body: tirx.Stmt, marks: list) -> tirx.St
     return tirx.AttrStmt(rank, "thread_extent", size, body)
 
 
+def marks_in(text: str) -> int:
+    """How many barrier marks (grid and cluster) a function's printed form has."""
+    return text.count(KEY) + text.count(CLUSTER_KEY)
+
+
 def with_barriers(func: tirx.PrimFunc, marks: int | None = None) -> tirx.PrimFunc:
     """``func`` (lowered: launches as ``thread_extent`` attributes) with a barrier before
     each marked loop: grid barriers launched cooperatively, cluster barriers in clusters
     of the marked size. ``marks``: how many the function has (counted in its printed
     form when not given)."""
-    if marks is None:
-        text = func.script()
-        marks = text.count(KEY) + text.count(CLUSTER_KEY)
+    marks = marks_in(func.script()) if marks is None else marks
     if not marks:
         return func
     found: list = []

@@ -254,9 +254,8 @@ def schedule_for(problem: Problem, target: Target, candidate: str, knobs: Knobs 
     knobs = knobs or cand.default_for(problem, target)
     sch = cand.apply(prim_func(problem, cand.algorithm), target, knobs=knobs)
     if sch is None:
-        clusters = getattr(cand, "cluster", lambda p: 0)(problem) and not targets.has_clusters(target)
-        why = f" (its thread-block clusters need sm_90 or later, the target is {target})" if clusters else ""
-        raise ValueError(f"candidate {candidate} declined {problem.describe()}{why}")
+        why = cand.unsupported(target)
+        raise ValueError(f"candidate {candidate} declined {problem.describe()}" + (f" ({why})" if why else ""))
     return sch, knobs
 
 

@@ -148,8 +148,7 @@ def marked_loops(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
         if isinstance(func, tirx.PrimFunc):
             text = func.script()
             func = reverse_marked(func, text.count(KEY))
-            barriers = text.count(grid_barrier.KEY) + text.count(grid_barrier.CLUSTER_KEY)
-            mod[gvar] = grid_barrier.with_barriers(func, barriers)
+            mod[gvar] = grid_barrier.with_barriers(func, grid_barrier.marks_in(text))
     return mod
 
 

@@ -66,6 +66,11 @@ class Candidate:
         """True when the candidate computes ``problem`` correctly."""
         return problem.op == self.op
 
+    def unsupported(self, target: Target) -> str:
+        """Why ``target`` cannot run this candidate's kernels ("" when it can): such a
+        candidate is not applicable there and declines to schedule."""
+        return ""
+
     def choices(self, problem: Problem, target: Target) -> dict[str, list[int]]:
         """Values each knob may take for ``problem``: the candidate's design space."""
         raise NotImplementedError
@@ -109,7 +114,7 @@ class Candidate:
         if "tvm_fusion.problem" not in func.attrs or algorithm_of(func) != self.algorithm:
             return None
         problem = problem_of(func)
-        if target.kind.name != self.target_kind or not self.applies(problem):
+        if target.kind.name != self.target_kind or not self.applies(problem) or self.unsupported(target):
             return None
         sch = s_tir.Schedule(func)
         self.apply_to(sch, problem, target, tunable, knobs)
@@ -245,7 +250,7 @@ def candidates(op: str, target_kind: str) -> list[Candidate]:
 
 
 def applicable(problem: Problem, target: Target) -> list[Candidate]:
-    return [c for c in candidates(problem.op, target.kind.name) if c.applies(problem)]
+    return [c for c in candidates(problem.op, target.kind.name) if c.applies(problem) and not c.unsupported(target)]
 
 
 def default_candidate(problem: Problem, target: Target) -> Candidate:

@@ -43,7 +43,7 @@ from tvm.target import Target
 
 from tvm_fusion.compute.bn_stats import parts
 from tvm_fusion.registry import register
-from tvm_fusion.targets import has_clusters, sm_count
+from tvm_fusion.targets import sm_count
 
 from .bn_forward_cluster import BNForwardCluster
 from .bn_forward_grid_persistent import fills_the_sms
@@ -59,5 +59,5 @@ class BNForwardClusterHalf(BNForwardCluster):
 
     def prefers(self, problem, target: Target) -> bool:
         tasks = problem.channels * parts(problem, self.copies)
-        return (has_clusters(target) and self.applies(problem) and fills_the_sms(problem, target, self.copies)
+        return (not self.unsupported(target) and self.applies(problem) and fills_the_sms(problem, target, self.copies)
                 and tasks >= MIN_TASKS_AN_SM * sm_count(target))

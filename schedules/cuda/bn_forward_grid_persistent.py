@@ -260,9 +260,8 @@ class ClusterParts:
     def applies(self, problem) -> bool:
         return super().applies(problem) and parts(problem, self.copies) <= MAX_CLUSTER
 
-    def apply(self, func, target: Target, tunable: bool = False, knobs=None):
-        """Only for an arch with clusters (sm_90 on): elsewhere not this candidate."""
-        return super().apply(func, target, tunable, knobs) if has_clusters(target) else None
+    def unsupported(self, target: Target) -> str:
+        return "" if has_clusters(target) else f"its thread-block clusters need sm_90 or later, the target is {target}"
 
     def prefers(self, problem, target: Target) -> bool:
         return False

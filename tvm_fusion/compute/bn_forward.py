@@ -59,7 +59,8 @@ def bn_forward_te(problem: BNForwardProblem, algorithm: str | None = None) -> li
     (training: "shifted" by default; eval: "running")."""
     algorithm = algorithm or default_algorithm(problem)
     if algorithm not in ALGORITHMS or (algorithm == "running") == problem.training:
-        wanted = ", ".join(ALGORITHMS[:-2]) + " or " + ALGORITHMS[-2] if problem.training else "running"
+        training = [a for a in ALGORITHMS if a != "running"]
+        wanted = ", ".join(training[:-1]) + " or " + training[-1] if problem.training else "running"
         raise ValueError(f"bn_forward: {'training' if problem.training else 'eval'} takes algorithm {wanted}, "
                          f"got {algorithm!r}")
     idx = index_dtype(problem.numel)
