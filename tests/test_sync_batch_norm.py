@@ -254,6 +254,15 @@ def test_the_synchronized_path_on_one_rank_equals_float64_torch(poisoned, group_
     assert_near(b.grad, b64.grad, "dbias", count)
 
 
+def test_a_second_derivative_through_the_synchronized_path_is_a_clear_error(group_of_one):
+    seeded()
+    leaf = (torch.randn(4, CHANNELS, *PLANE) + 1).requires_grad_()
+    y = tft.sync_batch_norm(leaf, None, None, torch.rand(CHANNELS) + 0.5, None, 0.1, 1e-5)
+    (dx,) = torch.autograd.grad(y.pow(3).sum(), leaf, create_graph=True)
+    with pytest.raises(RuntimeError, match="tvm_fusion.torch.sync_batch_norm has no second derivative"):
+        dx.sum().backward()
+
+
 # -- the module and convert_sync_batchnorm --------------------------------------------------
 def test_convert_replaces_every_batch_norm_keeping_tensors_options_and_mode():
     from tvm_fusion.relax.model import small_resnet

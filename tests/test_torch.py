@@ -194,6 +194,58 @@ def test_a_second_backward_through_the_same_loss_is_a_clear_error():
         loss.backward()
 
 
+def test_a_second_derivative_is_a_clear_error_not_a_silent_zero():
+    """Under create_graph=True the gradient carries a node that raises: a gradient
+    penalty through the loss would otherwise drop its second-order term silently."""
+    gen = rng()
+    logits, target, weight, kwargs = make_inputs(gen, 6, 11, "float32", {"label_smoothing": 0.1})
+    x = logits.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(tft.cross_entropy(x, target, **kwargs), x, create_graph=True)
+    _, ref_grad = reference(logits, target, None, torch.ones(()), **kwargs)
+    torch.testing.assert_close(grad.detach().double(), ref_grad, rtol=1e-5, atol=1e-6)  # the first order holds
+    with pytest.raises(RuntimeError, match="tvm_fusion.torch.cross_entropy has no second derivative"):
+        (grad.pow(2).sum() + x.sum()).backward()
+    x.grad = None
+    tft.cross_entropy(x, target, **kwargs).backward()  # a plain backward leaves no such node
+    assert x.grad.grad_fn is None and not x.grad.requires_grad
+
+
+def test_meta_and_fake_tensors_get_the_losss_shape_without_a_kernel():
+    """Shape inference (a model built on the meta device, FakeTensorMode) goes through
+    the custom ops' fake functions, as torch's own ops do."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    logits = torch.randn(8, 100, device="meta", requires_grad=True)
+    target = torch.zeros(8, dtype=torch.long, device="meta")
+    loss = tft.cross_entropy(logits, target)
+    assert loss.device.type == "meta" and loss.shape == () and loss.dtype == torch.float32
+    loss.backward()
+    assert logits.grad.shape == (8, 100) and logits.grad.device.type == "meta"
+    assert tft.cross_entropy(logits.detach(), target, reduction="none").shape == (8,)
+    with FakeTensorMode():
+        fake = torch.randn(4, 50, requires_grad=True)
+        loss = tft.CrossEntropyLoss()(fake, torch.randint(0, 50, (4,)))
+        loss.backward()
+        assert loss.shape == () and fake.grad.shape == (4, 50)
+
+
+def test_a_parameter_as_logits_equals_torch(poisoned):
+    """A tensor subclass goes through the dispatcher, which hands the kernel a plain tensor."""
+    gen = rng()
+    logits, target, weight, kwargs = make_inputs(gen, 5, 17, "float32", {"weight": True})
+    param = torch.nn.Parameter(logits.clone())
+    loss = tft.cross_entropy(param, target, weight)
+    loss.backward()
+    ref_loss, ref_grad = reference(logits, target, weight, torch.ones(()))
+    torch.testing.assert_close(loss.double(), ref_loss, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(param.grad.double(), ref_grad, rtol=1e-5, atol=1e-6)
+
+
+def test_logits_that_are_not_a_tensor_are_a_type_error():
+    with pytest.raises(TypeError, match="logits must be a torch tensor, got list"):
+        tft.cross_entropy([[1.0, 2.0]], torch.tensor([0]))
+
+
 def test_opcheck_both_custom_ops():
     gen = rng()
     for options in ({}, {"weight": True, "reduction": "none", "label_smoothing": 0.1}):

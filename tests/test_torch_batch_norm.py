@@ -238,10 +238,74 @@ def test_a_float64_module_call_is_torchs():
     (lambda: tft.batch_norm(torch.randn(4, 3), None, None, training=True, eps=-1.0), ValueError,
      "eps must be a finite number"),
     (lambda: tft.batch_norm(torch.randn(4, 3), None, None, training=1), TypeError, "training must be a bool"),
+    (lambda: tft.batch_norm([[1.0, 2.0]], None, None, training=True), TypeError, "input must be a torch tensor"),
 ])
 def test_bad_arguments_are_named(call, error, words):
     with pytest.raises(error, match=words):
         call()
+
+
+@pytest.mark.parametrize("mode", ["train", "train-no-running", "eval", "train-bias-only"])
+def test_an_empty_batch_is_torchs(mode):
+    """torch's empty batch: an empty output that still depends on weight and bias (zero
+    gradients), the running statistics unchanged; the modules count the batch."""
+    seeded()
+    x, rm, rv, weight, bias, training, momentum = make((0, 3, 4, 4), "float32", "cpu", mode)
+    leaf = x.clone().requires_grad_()
+    params = [None if p is None else p.clone().requires_grad_() for p in (weight, bias)]
+    ours_rm, ours_rv = (None, None) if rm is None else (rm.clone(), rv.clone())
+    y = tft.batch_norm(leaf, ours_rm, ours_rv, *params, training, momentum)
+    assert y.shape == x.shape and y.dtype == x.dtype
+    if rm is not None:
+        assert torch.equal(ours_rm, rm) and torch.equal(ours_rv, rv)
+    if any(p is not None for p in params):
+        y.sum().backward()
+        assert leaf.grad.shape == x.shape
+        for p in params:
+            assert p is None or torch.equal(p.grad, torch.zeros_like(p))
+    ours, theirs = tft.BatchNorm2d(3, momentum=None), nn.BatchNorm2d(3, momentum=None)
+    batch = torch.randn(6, 3, 4, 4) + 1
+    for module in (ours, theirs):
+        module(batch)
+        module(batch[:0])
+    assert int(ours.num_batches_tracked) == int(theirs.num_batches_tracked) == 2
+    torch.testing.assert_close(ours.running_mean, theirs.running_mean, rtol=1e-5, atol=1e-6)
+    assert ours.eval()(torch.randn(0, 3, 4, 4)).shape == (0, 3, 4, 4)
+
+
+def test_a_second_derivative_is_a_clear_error_not_a_silent_zero():
+    """Under create_graph=True the gradients carry a node that raises: a Hessian-vector
+    product through the layer would otherwise drop its terms silently."""
+    seeded()
+    x, rm, rv, weight, bias, training, momentum = make((4, 3, 5, 5), "float32", "cpu", "train")
+    leaf, w = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    y = tft.batch_norm(leaf, rm.clone(), rv.clone(), w, bias, training, momentum)
+    dx, dw = torch.autograd.grad(y.pow(3).sum(), (leaf, w), create_graph=True)
+    x64, w64 = x.double().requires_grad_(), weight.double().requires_grad_()
+    ref = torch.autograd.grad(F.batch_norm(x64, None, None, w64, bias.double(), True).pow(3).sum(), (x64, w64))
+    assert_near(dx.detach(), ref[0], "float32", "dx")
+    assert_near(dw.detach(), ref[1], "float32", "dweight", 100)
+    for grad in (dx, dw):
+        with pytest.raises(RuntimeError, match="tvm_fusion.torch.batch_norm has no second derivative"):
+            grad.sum().backward(retain_graph=True)
+
+
+def test_meta_and_fake_tensors_get_the_shapes_without_a_kernel():
+    """Shape inference (a model built on the meta device, FakeTensorMode) goes through
+    the custom ops' fake functions, as torch's own ops do."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    module = tft.BatchNorm2d(6, device="meta")
+    x = torch.randn(4, 6, 5, 5, device="meta").to(memory_format=torch.channels_last).requires_grad_()
+    y = module(x)
+    assert y.device.type == "meta" and y.shape == x.shape and y.is_contiguous(memory_format=torch.channels_last)
+    y.sum().backward()
+    assert x.grad.shape == x.shape and module.weight.grad.shape == (6,)
+    with FakeTensorMode():
+        fake = torch.randn(8, 6, requires_grad=True)
+        out = tft.BatchNorm1d(6)(fake)
+        out.sum().backward()
+        assert out.shape == (8, 6) and fake.grad.shape == (8, 6)
 
 
 def test_opcheck_both_custom_ops():

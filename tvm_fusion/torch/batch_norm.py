@@ -25,7 +25,10 @@ about 60 us an eager call); eager without, the forward launcher; traced by
 ``torch.compile``, the custom ops ``tvm_fusion::batch_norm_forward`` and
 ``tvm_fusion::batch_norm_backward`` with fake functions and the autograd formula
 (the op returns the new running statistics and the caller copies them into the
-buffers, since an op that mutates its inputs cannot carry an autograd formula).
+buffers, since an op that mutates its inputs cannot carry an autograd formula); the
+same ops take meta tensors and tensor subclasses eagerly (shape inference). An empty
+batch goes to ``F.batch_norm``. The gradients have no derivative of their own: under
+``create_graph=True`` differentiating them raises an error, not a silent zero.
 
 The modules subclass torch's, so their constructor, attributes, ``state_dict`` and
 ``isinstance`` checks are torch's; inputs the kernels do not cover (float64) go to
@@ -43,7 +46,7 @@ from .. import arrays, records, targets
 from ..contracts.bn_backward import bn_backward_problem
 from ..contracts.bn_forward import bn_forward_problem
 from ..dispatch import kernel_for
-from .function_apply import apply
+from .function_apply import apply, first_order
 
 OP = "tvm_fusion.torch.batch_norm"
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -58,12 +61,26 @@ def batch_norm(input: torch.Tensor, running_mean: torch.Tensor | None, running_v
     """``torch.nn.functional.batch_norm`` on tvm_fusion's kernels, differentiable with
     respect to ``input``, ``weight`` and ``bias``; ``momentum`` may be a 0-d tensor
     on the input's device (the module docstring says more)."""
-    if torch.compiler.is_compiling():
-        return _compiled(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if torch.compiler.is_compiling() or type(input) is not torch.Tensor or input.is_meta or not input.numel():
+        return _not_launched(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)
                                     or (bias is not None and bias.requires_grad)):
         return apply(_BatchNorm, input, running_mean, running_var, weight, bias, training, momentum, eps)
     return forward(input, running_mean, running_var, weight, bias, training, momentum, eps)[0]
+
+
+def _not_launched(input, running_mean, running_var, weight, bias, training, momentum, eps):
+    """What the eager launchers do not take: an empty input goes to ``F.batch_norm``
+    (torch's empty batch: an empty output that still depends on ``weight`` and
+    ``bias``, the running statistics unchanged); the rest to the custom ops, traced by
+    ``torch.compile``, and eagerly for meta tensors (their fake functions give the
+    shapes, as torch's own ops do on the meta device) and tensor subclasses
+    (``FakeTensor``, ``Parameter``: the dispatcher hands the kernels plain tensors)."""
+    if not isinstance(input, torch.Tensor):
+        raise TypeError(f"{OP}: input must be a torch tensor, got {type(input).__name__}")
+    if not input.numel():
+        return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, 0.0, eps)
+    return _compiled(input, running_mean, running_var, weight, bias, training, momentum, eps)
 
 
 class _BatchNormMixin:
@@ -359,9 +376,10 @@ class _BatchNorm(torch.autograd.Function):
     def backward(ctx, grad):
         input, mean, invstd, weight = ctx.saved_tensors
         dx, dweight, dbias = backward(grad, input, mean, invstd, weight, ctx.training)
-        return (dx if ctx.needs_input_grad[0] else None, None, None,
-                None if weight is None else as_dtype(dweight, weight.dtype),
-                None if ctx.bias_dtype is None else as_dtype(dbias, ctx.bias_dtype), None, None, None)
+        return first_order(OP, (dx if ctx.needs_input_grad[0] else None, None, None,
+                                None if weight is None else as_dtype(dweight, weight.dtype),
+                                None if ctx.bias_dtype is None else as_dtype(dbias, ctx.bias_dtype), None, None,
+                                None))
 
 
 def as_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -17,7 +17,11 @@ Three ways in, one kernel:
 - traced by ``torch.compile`` (or ``torch.export``): the custom ops
   ``tvm_fusion::cross_entropy_fused`` and ``tvm_fusion::cross_entropy``, with fake
   (meta) functions and the autograd formula registered, so ``fullgraph=True``
-  traces a model through them without a graph break.
+  traces a model through them without a graph break; the same ops take meta tensors
+  and tensor subclasses eagerly (``FakeTensorMode``, ``Parameter``: shape inference).
+
+The gradient has no derivative of its own: under ``create_graph=True`` differentiating
+it raises an error (``function_apply.first_order``), not a silent zero.
 
 ``inplace_backward=True`` writes the gradient over the logits during the forward
 (no B x V allocation; Liger's and Quack's option) and bumps the logits' version
@@ -45,7 +49,7 @@ from .. import api, arrays, records, registry, target_check, targets
 from ..contracts import TargetOutOfRangeError
 from ..contracts.cross_entropy_grad import cross_entropy_grad_problem
 from ..dispatch import kernel_for
-from .function_apply import apply
+from .function_apply import apply, first_order
 from .scale import scale_in_place
 
 OP = "tvm_fusion.torch.cross_entropy"
@@ -73,16 +77,28 @@ def cross_entropy(
     nothing from them afterwards (the module docstring says more)."""
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"{OP}: inplace_backward must be a bool, got {inplace_backward!r}")
-    if torch.compiler.is_compiling():
-        if logits.requires_grad:
-            return torch.ops.tvm_fusion.cross_entropy_fused(
-                logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)[0]
-        return torch.ops.tvm_fusion.cross_entropy(logits, target, weight, ignore_index, reduction,
-                                                 label_smoothing, check_targets)
+    if torch.compiler.is_compiling() or type(logits) is not torch.Tensor or logits.is_meta:
+        return _through_ops(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
     if logits.requires_grad and torch.is_grad_enabled():
         return apply(_CrossEntropy, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets,
                      inplace_backward)
     return api.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
+
+
+def _through_ops(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets):
+    """The custom ops: traced by ``torch.compile``, and eagerly for what the launcher
+    cannot take: meta tensors (their fake functions give the loss's shape, as torch's
+    own ops do on the meta device) and tensor subclasses (``FakeTensor``, ``Parameter``;
+    the dispatcher hands the kernel plain tensors). ``inplace_backward`` has no effect
+    here (the module docstring says why)."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{OP}: logits must be a torch tensor, got {type(logits).__name__}; "
+                        "tvm_fusion.cross_entropy takes numpy and TVM arrays")
+    if logits.requires_grad and torch.is_grad_enabled():
+        return torch.ops.tvm_fusion.cross_entropy_fused(
+            logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)[0]
+    return torch.ops.tvm_fusion.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing,
+                                             check_targets)
 
 
 class CrossEntropyLoss(torch.nn.Module):
@@ -243,7 +259,7 @@ class _CrossEntropy(torch.autograd.Function):
             )
         grad = scaled_grad(ctx.dlogits, grad_loss, ctx.reduction, in_place=True)
         ctx.dlogits = None
-        return grad, None, None, None, None, None, None, None
+        return first_order(OP, (grad, None, None, None, None, None, None, None))
 
 
 # -- the custom ops, for torch.compile ----------------------------------------------------

@@ -69,7 +69,7 @@ from ..api import bn_stats
 from ..contracts.bn_backward_dx import bn_backward_dx_problem
 from .batch_norm import (KERNEL_DTYPES, _BatchNormMixin, _float32, _parameter, _View, as_dtype, backward, forward,
                          output_format)
-from .function_apply import apply
+from .function_apply import apply, first_order
 
 OP = "tvm_fusion.torch.sync_batch_norm"
 _DX: dict[tuple, Callable[..., torch.Tensor]] = records.register_cache({})
@@ -284,5 +284,6 @@ class _SyncBatchNorm(torch.autograd.Function):
         input, mean, invstd, count, weight = ctx.saved_tensors
         dx, dweight, dbias = sync_backward(grad, input, mean, invstd, count, weight, ctx.group,
                                            ctx.needs_input_grad[0])
-        return (dx, None, None, None if weight is None else as_dtype(dweight, weight.dtype),
-                None if ctx.bias_dtype is None else as_dtype(dbias, ctx.bias_dtype), None, None, None)
+        return first_order(OP, (dx, None, None, None if weight is None else as_dtype(dweight, weight.dtype),
+                                None if ctx.bias_dtype is None else as_dtype(dbias, ctx.bias_dtype), None, None,
+                                None))
