@@ -140,25 +140,29 @@ def test_dispatch_skips_a_corrupt_record_naming_its_file_and_line(tuned, tmp_pat
     assert len(found) == len(dispatch.records_of(problem, CPU, log_dir)) > 0
 
 
-def test_a_gzipped_log_loads_like_the_plain_one_and_refuses_writes(tuned, tmp_path):
-    """A log kept as database_*.json.gz (the cost model's grids) reads the same records
-    as its plain files; writing records into that folder is refused with the reason."""
+@pytest.mark.parametrize("suffix", [".xz", ".gz"])
+def test_a_compressed_log_loads_like_the_plain_one_and_refuses_writes(tuned, tmp_path, suffix):
+    """A log kept as database_*.json.xz or .gz (the cost model's grids) reads the same
+    records as its plain files; writing records into that folder is refused with the
+    reason."""
     import gzip
+    import lzma
 
+    compress = {".xz": lzma.compress, ".gz": gzip.compress}[suffix]
     log_dir, _ = tuned
     source = records.folder(log_dir, CPU)
     packed = tmp_path / "packed"
     packed.mkdir()
     for name in (records.WORKLOADS, records.RECORDS):
-        (packed / (name + ".gz")).write_bytes(gzip.compress((source / name).read_bytes()))
+        (packed / (name + suffix)).write_bytes(compress((source / name).read_bytes()))
     assert records.holds_database(packed) and not (packed / records.RECORDS).exists()
-    plain, gzipped = records.load(source, strict=True), records.load(packed, strict=True)
-    assert gzipped.records == plain.records > 0
+    plain, compressed = records.load(source, strict=True), records.load(packed, strict=True)
+    assert compressed.records == plain.records > 0
     def timed(log):
         return sorted((str(r.trace), tuple(float(s) for s in r.run_secs)) for r in log.database.get_all_tuning_records())
 
-    assert timed(gzipped) == timed(plain)
-    with pytest.raises(ValueError, match="gzipped log.*gunzip"):
+    assert timed(compressed) == timed(plain)
+    with pytest.raises(ValueError, match=f"compressed log \\(database_workload.json{suffix}.*decompress it"):
         records.json_database(packed)
     assert not records.holds_database(tmp_path)
 
@@ -607,13 +611,13 @@ def test_a_log_of_records_through_our_reducers_opens_for_writing(tmp_path):
     candidate's six, RFactor through the targets pass's reducer), repeated so that
     worker threads take some: the next tune into that folder hung (2 tries of 2 with
     these 90 lines, before the fix)."""
-    import gzip
+    import lzma
 
     fixture = pathlib.Path(__file__).parent / "data" / "h200_gradient_records"
     folder = tmp_path / "log"
     folder.mkdir()
-    (folder / records.WORKLOADS).write_bytes(gzip.decompress((fixture / (records.WORKLOADS + ".gz")).read_bytes()))
-    lines = gzip.decompress((fixture / (records.RECORDS + ".gz")).read_bytes())
+    (folder / records.WORKLOADS).write_bytes(lzma.decompress((fixture / (records.WORKLOADS + ".xz")).read_bytes()))
+    lines = lzma.decompress((fixture / (records.RECORDS + ".xz")).read_bytes())
     (folder / records.RECORDS).write_bytes(lines * 15)
     code = ("import tvm_fusion.registry\nfrom tvm_fusion import records\n"
             f"print([len(records.json_database({str(folder)!r})) for _ in range(3)])")

@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="at most this many configurations a candidate, thinned evenly "
                       "(default: as many as the cost model ranks)")
     grid.add_argument("--skip-timed", dest="skip_timed", nargs="+", metavar="LOG",
-                      help="also skip what these logs hold timed (read only, gzipped ones too). Time into a "
+                      help="also skip what these logs hold timed (read only, compressed ones too). Time into a "
                       "fresh --log-dir and merge after: MetaSchedule's JSON database parses a whole log "
                       "before its first write, which took minutes for the 1500 records of the shipped grids")
     grid.add_argument("--candidates", nargs="+", metavar="NAME",

@@ -665,7 +665,7 @@ def grid_configs(problems: Sequence[Problem], target: Target,
 def untimed(configs: Sequence[tuple[Problem, registry.Candidate, registry.Knobs]], log_dir: str | os.PathLike,
             target: Target) -> list[tuple[Problem, registry.Candidate, registry.Knobs]]:
     """``configs`` less those that ``log_dir`` (a log folder or a database folder, the
-    shipped gzipped grids included) already holds a timed record of."""
+    shipped compressed grids included) already holds a timed record of."""
     folder = cost_model.database_folder(log_dir, target)
     if not records.holds_database(folder):
         return list(configs)
