@@ -205,6 +205,7 @@ def check_threads_decisions_replay(candidate, problem, target) -> None:
     import tvm
     from tvm import s_tir
 
+    from tvm_fusion import launch_order
     from tvm_fusion.compute import prim_func
     from tvm_fusion.kernel import compiled_form
 
@@ -215,8 +216,8 @@ def check_threads_decisions_replay(candidate, problem, target) -> None:
     for decision, count in enumerate(candidate.choices(problem, target)["threads"]):
         sch = s_tir.Schedule(func)
         trace.with_decision(threads, decision, remove_postproc=True).apply_to_schedule(sch, remove_postproc=True)
-        with target:
-            executable = tvm.compile(compiled_form(sch.mod, problem), target=target)
+        with target:  # the pipeline every build of a scheduled module goes through
+            executable = tvm.compile(compiled_form(sch.mod, problem), target=target, tir_pipeline=launch_order.PIPELINE)
         source = "\n".join(m.inspect_source() for m in executable.mod.imports)
         assert f"__launch_bounds__({count})" in source
 

@@ -20,6 +20,7 @@ import tvm
 from test_bn_grid_persistent import backward_problem, kernel_bodies, lowered, problem
 from tvm_fusion import grid_barrier, registry, targets
 from tvm_fusion.compute import bn_stats
+from tvm_fusion.compute.bn_forward import channel_outputs
 from tvm_fusion.kernel import build_kernel
 
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
@@ -27,6 +28,7 @@ FORWARD = registry.get("bn_forward_cluster")
 BACKWARD = registry.get("bn_backward_cluster")
 HALF = registry.get("bn_forward_cluster_half")
 QUARTER = registry.get("bn_forward_cluster_quarter")
+ONE_LAUNCH = registry.get("bn_forward_cluster_half_one_launch")
 
 # (shape, dtype, parts): 401 KB fp16 channels in 2 parts (x) and 4 (x and dy), 802 KB
 # bf16 channels in 4 and 8, 256 KB fp32 ones, odd 15x15 planes (scalar loads).
@@ -123,6 +125,50 @@ def test_backward_cuda_source_has_the_cluster_barrier(shape, dtype, parts):
     first = check_cluster_source(kernel, "part_grad_sums", parts)
     at = first.index("tvm_builtin_cuda_cluster_sync();")
     assert not re.search(r"\b(x|dy)_ptr\b", first[at:]), "dx from the copies only"
+
+
+@pytest.mark.parametrize("shape, dtype, parts", HALF_APPLIES)
+@pytest.mark.parametrize("affine, track", [(True, True), (False, False)])
+def test_one_launch_writes_each_channels_outputs_from_its_first_block(shape, dtype, parts, affine, track):
+    """bn_forward_cluster_half_one_launch: one kernel, half's cluster barrier; each
+    per-channel output stored once, after the barrier, by thread 0 of the channel's
+    first block (part 0); the running statistics (updated in place by the torch op)
+    read in that same guarded statement only."""
+    p = problem(shape, dtype, affine=affine, track_running=track)
+    kernel = build_kernel(p, CUDA, ONE_LAUNCH.name)
+    source = kernel.device_source()
+    assert source.count('extern "C" __global__') == 2, "one kernel (its declaration and its definition)"
+    body = source.split('extern "C" __global__')[-1]
+    at = body.index("tvm_builtin_cuda_cluster_sync();")
+    assert ONE_LAUNCH.cluster(p) == parts and body.count("tvm_builtin_cuda_cluster_sync();") == 1
+    guard = re.compile(rf"if \(+\(int\)blockIdx\.x\) (& {parts - 1}|% {parts})\) < 1\) && \(\(\(int\)threadIdx\.x\) < 1\)\) \{{")
+    for name in channel_outputs(p):
+        stores = [m.start() for m in re.finditer(rf"\b{name}_ptr\[[^\]]*\] =", body)]
+        assert len(stores) == 1 and stores[0] > at, name
+        assert guard.match(body[body.rindex("if (", 0, stores[0]):stores[0]]), name
+    for name in ("running_mean", "running_var") if track else ():
+        reads = [m.start() for m in re.finditer(rf"\b{name}_ptr\[", body)]
+        assert len(reads) == 1 and body.rindex("if (", 0, reads[0]) == body.rindex("if (", 0, body.index(f"{name}_out_ptr["))
+    # The rest is bn_forward_cluster_half's kernel: the same barrier, loads and stores of x and y.
+    half = build_kernel(p, CUDA, HALF.name).device_source().split('extern "C" __global__')[-2]
+    for pattern in (r"\*\(uint4\*\)\(x_ptr", r"\*\(uint4\*\)\(y_ptr", "cluster_sync"):
+        assert len(re.findall(pattern, body)) == len(re.findall(pattern, half)), pattern
+    assert not ONE_LAUNCH.prefers(p, CUDA) and ONE_LAUNCH.applies(p) == HALF.applies(p)
+
+
+def test_one_launch_builds_as_the_tuner_builds_with_its_partials_on_the_host():
+    """The tuner builds a trial without workspace parameters. The one-launch kernel's
+    cross-block partials are then used by that kernel alone, and TVM placed their
+    allocation inside it, which CUDA code generation refuses; launch_order.host_scratch
+    allocates them on the host before the launch, as it does for two kernels."""
+    from tvm_fusion.compute import prim_func
+    from tvm_fusion.tuner import build_module
+
+    p = problem((64, 256, 56, 56), "float16")
+    for cand, kernels in ((HALF, 2), (ONE_LAUNCH, 1)):
+        built = build_module(cand.apply(prim_func(p, cand.algorithm), CUDA, tunable=True).mod, CUDA)
+        assert built.imports[0].inspect_source().count('extern "C" __global__') == 2 * kernels
+        assert "TVMBackendAllocWorkspace" in built.inspect_source("ll")
 
 
 def lowered_launches(kernel, p):

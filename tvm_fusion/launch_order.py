@@ -140,15 +140,49 @@ def reverse_marked(func: tirx.PrimFunc, marks: int | None = None) -> tirx.PrimFu
     return new
 
 
+def _global_allocations(launch: tirx.Stmt) -> tuple[list[tirx.Stmt], tirx.Stmt]:
+    """The global-scope allocations at the top of a kernel's body (under its launch
+    attributes), and the kernel without them."""
+    if isinstance(launch, tirx.AttrStmt) and launch.attr_key == "thread_extent":
+        found, body = _global_allocations(launch.body)
+        return found, tirx.AttrStmt(launch.node, launch.attr_key, launch.value, body) if found else launch
+    if isinstance(launch, tirx.SeqStmt):
+        found = [s for s in launch.seq if isinstance(s, tirx.AllocBuffer) and s.buffer.scope() == "global"]
+        rest = [s for s in launch.seq if not any(s.same_as(f) for f in found)]
+        return found, launch if not found else rest[0] if len(rest) == 1 else tirx.SeqStmt(rest)
+    return [], launch
+
+
+def host_scratch(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` (lowered) with each global buffer allocated inside a kernel allocated
+    before the kernel's launch instead, on the host (TVM's workspace pool), as a
+    buffer used by two kernels is. TVM places an allocation where all its uses meet:
+    a global scratch buffer that one kernel alone uses (cross-block partials that the
+    kernel's own later blocks read, ``bn_forward_cluster_half_one_launch``) lands
+    inside that kernel, and CUDA code generation refuses a global allocation there.
+    Builds that take such buffers as parameters (``kernel.compiled_form``'s
+    ``workspace``) never see one; the tuner's builds and trace replays do."""
+    seq = list(func.body.seq) if isinstance(func.body, tirx.SeqStmt) else [func.body]
+    out: list[tirx.Stmt] = []
+    for stmt in seq:
+        if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent" and \
+                stmt.node.thread_tag.startswith("blockIdx"):
+            found, stmt = _global_allocations(stmt)
+            out += found
+        out.append(stmt)
+    return func if len(out) == len(seq) else func.with_body(tirx.SeqStmt(out))
+
+
 @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.MarkedLoops")
 def marked_loops(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
     """Every function's marked loops reversed and its grid barriers inserted
-    (:func:`tvm_fusion.grid_barrier.with_barriers`), both counted in one printing."""
+    (:func:`tvm_fusion.grid_barrier.with_barriers`), both counted in one printing, and
+    its kernels' global scratch allocated on the host (:func:`host_scratch`)."""
     for gvar, func in list(mod.functions.items()):
         if isinstance(func, tirx.PrimFunc):
             text = func.script()
             func = reverse_marked(func, text.count(KEY))
-            mod[gvar] = grid_barrier.with_barriers(func, grid_barrier.marks_in(text))
+            mod[gvar] = host_scratch(grid_barrier.with_barriers(func, grid_barrier.marks_in(text)))
     return mod
 
 

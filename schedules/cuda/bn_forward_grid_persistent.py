@@ -57,7 +57,9 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 from tvm_fusion.targets import has_clusters, sm_count
 
-from ..common import lanes_split, merge_rows, outputs_to, read_index, stage_in_registers, thread_reduce
+from ..common import (
+    lanes_split, merge_rows, outputs_to, read_index, single_thread, stage_in_registers, thread_reduce,
+)
 from .common import reads_16_bytes, store_vectors, vector_choices, widest_vector
 
 LANES = range(128, 1025, 32)  # threads a block may have: whole warps, up to 1024
@@ -105,12 +107,15 @@ def fits_in_parts(problem, copies: int) -> bool:
             and bool(thread_choices(problem, copies)))
 
 
-def task_rounds(sch, partial, mapped, count, grid):
+def task_rounds(sch, partial, mapped, count, grid, tail=None):
     """The (channel, part) tasks of the partial sums (loops ``(part, channel, ...)``)
     and of the map (``(n, channel, l)``, n cut in ``count`` parts), each fused (a
     channel's parts consecutive) and split ``[round, blockIdx.x]`` by ``grid``, merged
     into one nest; returns its round loop. ``grid`` None: a block a task, no rounds
-    (returns the block loop)."""
+    (returns the block loop), and ``tail``, a loop over the same tasks
+    (:func:`outputs_in_tasks`), merged in after the map."""
+    if tail is not None and grid is not None:
+        raise ValueError("task_rounds: a tail loop merges into a block a task, not into rounds")
 
     def rounds(c, p):
         fused = sch.fuse(c, p)
@@ -126,7 +131,7 @@ def task_rounds(sch, partial, mapped, count, grid):
     n, c, _ = sch.get_loops(mapped)
     p, n_in = sch.split(n, [count, None])
     sch.reorder(c, p, n_in)
-    round_loop = sch.merge(sums, rounds(c, p))
+    round_loop = sch.merge(sums, rounds(c, p), *([] if tail is None else [tail]))
     sch.bind(sch.get_loops(partial)[0], "blockIdx.x")
     return round_loop
 
@@ -171,6 +176,31 @@ def map_from(sch, block, on_chip, knobs, depth: int = 2) -> None:
     store_vectors(sch, block, serial, vec, perfect=True)
 
 
+def outputs_in_tasks(sch, outputs, sums, count):
+    """The per-channel ``outputs`` (the blocks ``sums``, producers last, at them in
+    registers) as a loop over the (channel, part) tasks, ``count`` parts a channel,
+    whose part 0 alone writes (a split of a unit loop by ``count``: a predicate),
+    for :func:`task_rounds` to merge after the map: each channel's outputs written
+    by its first block instead of a second kernel. Where the running statistics are
+    updated in place, only that block reads and writes them (:func:`first_thread`
+    leaves it to one thread); its channel's other blocks' partials are there after
+    the barrier before the map."""
+    channel = merge_rows(sch, outputs)
+    for name in sums:
+        sch.compute_at(sch.get_sblock(name), channel, preserve_unit_loops=True)
+        outputs_to(sch, sch.get_sblock(name), "local")
+    c, unit = sch.split(channel, [None, 1])
+    sch.split(unit, [1, count])
+    return sch.fuse(*sch.get_loops(sch.get_sblock(outputs[0]))[:3])
+
+
+def first_thread(sch, outputs, threads) -> None:
+    """Each of the ``outputs`` blocks written by thread 0 of a ``threads``-lane block
+    (their producers stay in every thread's registers)."""
+    for name in outputs:
+        single_thread(sch, sch.get_sblock(name), threads)
+
+
 def outputs_kernel(sch, outputs, sums) -> None:
     """The second kernel: the per-channel ``outputs`` merged into one channel loop, the
     blocks ``sums`` (producers last) at it in registers, a thread a channel."""
@@ -197,6 +227,9 @@ class GridPersistentCandidate(Candidate):
     target_kind = "cuda"
     knobs = GridPersistentKnobs
     claims = {"shuffles": True, "vector_loads": True, "atomics": True}  # the grid barrier's
+    # Each channel's first block writes the per-channel outputs after its map
+    # (:func:`outputs_in_tasks`), one launch instead of two: a block a task only.
+    one_launch = False
 
     @property
     def copies(self) -> int:
@@ -363,7 +396,9 @@ class BNForwardGridPersistent(GridPersistentCandidate):
         copy = sch.cache_read(partial, read_index(sch, partial, "x"), "shared.dyn", consumer_blocks=[partial, y])
         on_chip = sch.get(copy).writes[0].source.name
         sch.compute_inline(sch.get_sblock("shift"))
-        round_loop = task_rounds(sch, partial, y, count, self.grid(knobs))
+        outputs, sums = channel_outputs(problem), ("var", "mean", "moments")
+        tail = outputs_in_tasks(sch, outputs, sums, count) if self.one_launch else None
+        round_loop = task_rounds(sch, partial, y, count, self.grid(knobs), tail)
         # 4. The map's coefficients after the barrier, every thread in its registers.
         depth = self.depth(knobs)
         after_barrier(sch, round_loop, ("bn_scale", "bn_shift", "var_map", "mean_map", "moments_map"), "moments_map",
@@ -376,5 +411,9 @@ class BNForwardGridPersistent(GridPersistentCandidate):
         reduce_from(sch, partial, [on_chip], knobs, depth)
         # 5. y from the copy, 16-byte stores.
         map_from(sch, y, [on_chip], knobs, depth)
-        # The second kernel: the per-channel outputs, a thread a channel.
-        outputs_kernel(sch, channel_outputs(problem), ("var", "mean", "moments"))
+        # The per-channel outputs: a second kernel, a thread a channel, or thread 0 of
+        # each channel's first block.
+        if tail is None:
+            outputs_kernel(sch, outputs, sums)
+        else:
+            first_thread(sch, outputs, knobs.threads)
