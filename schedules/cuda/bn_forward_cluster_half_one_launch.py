@@ -20,6 +20,12 @@ update of the running statistics keeps its contract: one thread reads, then writ
 each element. Predicted: 2-3% less than ``bn_forward_cluster_half`` (about 2 us of
 0.0892 ms on the H100, 64x256x56x56 fp16). Not yet run on a GPU: tuner-only until an
 A/B against ``bn_forward_cluster_half``.
+
+Not used: every block of the channel writing the outputs (the running statistics are
+updated in place: a block could read a value another had already written); the outputs
+right after the barrier, before the map (TVM's ``merge`` appends the outputs' loop
+body after the map, and ``compute_at`` could place the blocks earlier only under a
+consumer, which output blocks lack).
 """
 
 from __future__ import annotations
