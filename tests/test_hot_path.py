@@ -73,6 +73,51 @@ def test_aligned_numpy_is_not_copied_and_misaligned_numpy_is(monkeypatch):
     assert copies == [logits.shape]
 
 
+def test_array_subclasses_are_keyed_by_their_shape_not_their_id(tmp_path):
+    """A launcher keyed by an object's id served a later memmap of another shape that
+    reused the id: (6, 4) data reduced as (4, 6). Subclasses are keyed by their type,
+    shape, dtype and contiguity, as their base class is."""
+    import gc
+
+    gen = rng()
+    files = []
+    for shape in ((4, 6), (6, 4)):
+        files.append(tmp_path / f"{shape[0]}x{shape[1]}.npy")
+        np.save(files[-1], random_floats(gen, shape, "float32"))
+    for i in range(6):
+        x = np.load(files[i % 2], mmap_mode="r+")
+        mean, var = tf.bn_stats(x)
+        ref_mean, ref_var = bn_ref.reference(np.asarray(x), "NCHW")
+        assert_close(mean, ref_mean, 1e-5, 1e-5, f"memmap {x.shape} mean")
+        assert_close(var, ref_var, 1e-5, 1e-5, f"memmap {x.shape} var")
+        del x
+        gc.collect()
+    memmap, plain = arrays.signature(np.load(files[0], mmap_mode="r")), arrays.signature(np.ones((4, 6), np.float32))
+    assert memmap[0] is np.memmap and memmap[1:] == plain[1:]
+
+
+def test_read_only_and_byte_swapped_numpy_are_copied_not_refused():
+    """DLPack exports neither a read-only array (np.load(mmap_mode="r"),
+    np.frombuffer) nor a non-native byte order; the kernels only read their inputs,
+    so each is copied once."""
+    gen = rng()
+    logits, target = ce_inputs(gen, 16, 40)
+    expected = ce_ref.reference(logits, target)
+    frozen_logits, frozen_target = logits.copy(), target.copy()
+    frozen_logits.flags.writeable = frozen_target.flags.writeable = False
+    assert_close(tf.cross_entropy(frozen_logits, frozen_target), expected, 1e-5, 1e-5, "read-only")
+    assert_close(tf.cross_entropy(logits.astype(">f4"), target.astype(">i8")), expected, 1e-5, 1e-5, "big-endian")
+    x = random_floats(gen, (4, 8, 5, 5), "float32")
+    buffered = np.frombuffer(x.tobytes(), np.float32).reshape(x.shape)
+    assert_close(tf.bn_stats(buffered)[0], bn_ref.reference(x, "NCHW")[0], 1e-5, 1e-5, "frombuffer")
+
+
+def test_a_masked_array_is_refused_with_the_reason():
+    masked = np.ma.masked_array(np.ones((4, 3), np.float32), mask=[[1, 0, 0]] * 4)
+    with pytest.raises(TypeError, match="masked array"):
+        tf.bn_stats(masked)
+
+
 def test_merging_a_log_rebuilds_the_launchers(tmp_path):
     gen = rng()
     logits, target = ce_inputs(gen, 8, 40)

@@ -67,6 +67,9 @@ def is_torch(x: Any) -> bool:
 
 def inspect(x: Any, op: str, name: str) -> ArrayArg:
     """Describe ``x`` or raise a TypeError naming the argument."""
+    if isinstance(x, np.ma.MaskedArray):  # the kernels would read the masked values too
+        raise TypeError(f"{op}: {name} is a masked array, whose mask the kernels cannot honour; "
+                        f"pass {name}.filled(value) or {name}.compressed() instead")
     if isinstance(x, np.ndarray):
         return ArrayArg(x, "numpy", tuple(x.shape), np.dtype(x.dtype).name, "cpu")
     if is_torch(x):
@@ -99,7 +102,13 @@ def signature(x: Any) -> tuple:
         return (None,)
     if isinstance(x, tvm_ffi.Tensor):
         return (kind, tuple(x.shape), str(x.dtype), str(x.device))
-    return (kind, id(x))  # a subclass or a foreign object: the slow path decides
+    # A subclass (np.memmap, nn.Parameter): its properties, never its id, which a later
+    # object of another shape may reuse once this one is freed.
+    if isinstance(x, np.ndarray):
+        return (kind, x.shape, x.dtype, x.flags.c_contiguous)
+    if is_torch(x):
+        return (kind, x.shape, x.dtype, x.device, x.is_contiguous())
+    return (kind, id(x))  # a foreign object: the slow path refuses it
 
 
 class Kind:
@@ -212,7 +221,11 @@ class Kind:
                 x = _aligned_torch_copy(x)
             return x if x.dim() == len(shape) else x.view(shape)  # equal rank: equal shape
         if self.name == "numpy":
-            if not x.flags.c_contiguous or x.ctypes.data & _MISALIGNED:
+            if not x.dtype.isnative:  # DLPack takes native byte order only
+                x = x.astype(x.dtype.newbyteorder("="))
+            # DLPack cannot export a read-only array (np.load(mmap_mode="r"),
+            # np.frombuffer), although the kernels only read it: one copy.
+            if not x.flags.c_contiguous or x.ctypes.data & _MISALIGNED or not x.flags.writeable:
                 x = aligned_numpy_copy(x)
             x = x.reshape(shape)
             if x.dtype.name == "bfloat16":  # numpy's DLPack knows no bfloat16: pass the bits
