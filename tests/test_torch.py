@@ -411,7 +411,9 @@ def check_in_place(logits, target, weight, kwargs, dtype, contiguous=True):
     gradient autograd hands back is the logits' own storage (every element
     overwritten: one left holding its logit fails the comparison), and the version
     counter moved."""
-    x = (logits.clone() if contiguous else logits.t().contiguous().t()).requires_grad_()
+    leaf = (logits.clone() if contiguous else logits.t().contiguous().t()).requires_grad_()
+    x = leaf * 1.0  # not a leaf: inplace_backward refuses to overwrite one, as torch does
+    assert x.is_contiguous() == contiguous
     version = x._version
     loss = tft.cross_entropy(x, target, weight, inplace_backward=True, **kwargs)
     assert x._version > version
@@ -453,9 +455,26 @@ def test_inplace_backward_module_and_bad_flag():
     x = logits.clone().requires_grad_()
     module = tft.CrossEntropyLoss(inplace_backward=True)
     assert "inplace_backward=True" in repr(module)
-    torch.testing.assert_close(module(x, target).double(), ref, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(module(x * 1.0, target).double(), ref, rtol=1e-5, atol=1e-7)
     with pytest.raises(TypeError, match="inplace_backward must be a bool"):
         tft.cross_entropy(x, target, inplace_backward="yes")
+
+
+def test_inplace_backward_refuses_to_overwrite_a_leaf_or_a_view_of_one():
+    """torch forbids in-place writes to a leaf that requires grad (a parameter) and to
+    its views: the gradient written over it would replace the parameter's values."""
+    logits, target, _, _ = make_inputs(rng(), 6, 10, "float32", {})
+    leaf = logits.clone().requires_grad_()
+    for x in (leaf, leaf[:, :]):
+        with pytest.raises(RuntimeError, match="would overwrite logits that are \\(a view of\\) a leaf"):
+            tft.cross_entropy(x, target, inplace_backward=True)
+    assert torch.equal(leaf.detach(), logits)
+    # A Parameter goes through the custom ops (a tensor subclass), where the option has no effect.
+    param = torch.nn.Parameter(logits.clone())
+    tft.cross_entropy(param, target, inplace_backward=True).backward()
+    assert torch.equal(param.detach(), logits)
+    torch.testing.assert_close(param.grad.double(), reference(logits, target, None, torch.ones(()))[1],
+                               rtol=1e-5, atol=1e-6)
 
 
 def test_in_place_problem_is_its_own_kernel_without_no_alias():

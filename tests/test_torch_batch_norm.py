@@ -245,6 +245,29 @@ def test_bad_arguments_are_named(call, error, words):
         call()
 
 
+@pytest.mark.parametrize("call, error, words", [
+    (lambda x: tft.batch_norm(x, torch.full((3,), 5), torch.full((3,), 5), training=True), TypeError,
+     "running_mean must be floating point"),
+    (lambda x: tft.batch_norm(x, torch.zeros(4), torch.ones(4), training=True), ValueError,
+     r"running_mean must have shape \(3,\)"),
+    (lambda x: tft.batch_norm(x, torch.zeros(1, 3), torch.ones(1, 3), training=True), ValueError,
+     r"got \(1, 3\)"),
+    (lambda x: tft.batch_norm(x, torch.zeros(3), torch.ones(3), torch.ones(3, dtype=torch.long), training=True),
+     TypeError, "weight must be floating point"),
+    (lambda x: tft.batch_norm(x, torch.zeros(3), torch.ones(3), [1.0, 1.0, 1.0], training=True), TypeError,
+     "weight must be a torch tensor"),
+    (lambda x: tft.batch_norm(x, torch.zeros(3), torch.ones(3), training=1), TypeError, "training must be a bool"),
+])
+def test_bad_vectors_are_named_after_a_good_call_of_the_same_input(call, error, words):
+    """The launcher is cached per input signature; a later call with vectors of another
+    dtype, shape or kind must still be checked (integer buffers were truncated into)."""
+    x = torch.randn(4, 3, 5, 5)
+    rm, rv = torch.zeros(3), torch.ones(3)
+    tft.batch_norm(x, rm, rv, torch.ones(3), torch.zeros(3), training=True)
+    with pytest.raises(error, match=words):
+        call(x)
+
+
 @pytest.mark.parametrize("mode", ["train", "train-no-running", "eval", "train-bias-only"])
 def test_an_empty_batch_is_torchs(mode):
     """torch's empty batch: an empty output that still depends on weight and bias (zero

@@ -63,8 +63,8 @@ def batch_norm(input: torch.Tensor, running_mean: torch.Tensor | None, running_v
     on the input's device (the module docstring says more)."""
     if torch.compiler.is_compiling() or type(input) is not torch.Tensor or input.is_meta or not input.numel():
         return _not_launched(input, running_mean, running_var, weight, bias, training, momentum, eps)
-    if torch.is_grad_enabled() and (input.requires_grad or (weight is not None and weight.requires_grad)
-                                    or (bias is not None and bias.requires_grad)):
+    if torch.is_grad_enabled() and (input.requires_grad or getattr(weight, "requires_grad", False)
+                                    or getattr(bias, "requires_grad", False)):
         return apply(_BatchNorm, input, running_mean, running_var, weight, bias, training, momentum, eps)
     return forward(input, running_mean, running_var, weight, bias, training, momentum, eps)[0]
 
@@ -211,18 +211,30 @@ def forward(input: torch.Tensor, running_mean: torch.Tensor | None, running_var:
     """``(y, save_mean, save_invstd, running_mean_out, running_var_out)``: the last two
     are the running buffers themselves (updated in place) unless ``in_place`` is False,
     then new tensors; None when nothing is updated."""
-    key = (input.shape, input.stride(), input.dtype, input.device, running_mean is None, running_var is None,
-           weight is None, bias is None, training, eps, in_place)
+    # The vectors' dtypes are in the key: a launcher converts them to float32 for the
+    # kernel, and one made for float buffers would truncate into integer ones.
+    key = (input.shape, input.stride(), input.dtype, input.device, _dtype(running_mean), _dtype(running_var),
+           _dtype(weight), _dtype(bias), training, training.__class__, eps, in_place)
     try:
         launch = _FORWARD.get(key)
     except TypeError:  # an unhashable eps, which the contract names
         launch = None
     if launch is None:
         launch = _forward_launcher(key, input, running_mean, running_var, weight, bias, training, eps, in_place)
-    return launch(input, running_mean, running_var, weight, bias, momentum)
+    try:
+        return launch(input, running_mean, running_var, weight, bias, momentum)
+    except Exception:  # a cached launcher meets vectors of another shape or device: say which
+        _check_arguments(input, running_mean, running_var, weight, bias, training)
+        raise
 
 
-def _forward_launcher(key, input, running_mean, running_var, weight, bias, training, eps, in_place):
+def _dtype(t: Any) -> Any:
+    return None if t is None else getattr(t, "dtype", t.__class__)
+
+
+def _check_arguments(input, running_mean, running_var, weight, bias, training) -> "_View":
+    """The forward's arguments against the contract, or an error naming the first bad
+    one; the input's view."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{OP}: input must be a torch tensor, got {type(input).__name__}")
     if not isinstance(training, bool):
@@ -232,10 +244,15 @@ def _forward_launcher(key, input, running_mean, running_var, weight, bias, train
     if not training and running_mean is None:
         raise ValueError(f"{OP}: running_mean and running_var must be given in eval mode (training=False)")
     view = _View(input)
-    channels = input.shape[1]
     for name, t in (("running_mean", running_mean), ("running_var", running_var), ("weight", weight),
                     ("bias", bias)):
-        _check_vector(name, t, channels, input.device)
+        _check_vector(name, t, input.shape[1], input.device)
+    return view
+
+
+def _forward_launcher(key, input, running_mean, running_var, weight, bias, training, eps, in_place):
+    view = _check_arguments(input, running_mean, running_var, weight, bias, training)
+    channels = input.shape[1]
     affine, track = weight is not None or bias is not None, running_mean is not None
     problem, kernel, kind = view.kernel(input, bn_forward_problem, ("x", "y"), affine=affine, training=training,
                                         track_running=track, eps=eps)

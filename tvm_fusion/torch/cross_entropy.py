@@ -80,6 +80,10 @@ def cross_entropy(
     if torch.compiler.is_compiling() or type(logits) is not torch.Tensor or logits.is_meta:
         return _through_ops(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
     if logits.requires_grad and torch.is_grad_enabled():
+        if inplace_backward and (logits.is_leaf or (logits._is_view() and logits._base.is_leaf)):  # torch's rule
+            raise RuntimeError(f"{OP}: inplace_backward=True would overwrite logits that are (a view of) a leaf "
+                               "requiring grad (a parameter, or a tensor made with requires_grad=True); torch "
+                               "forbids in-place writes to such tensors: pass logits computed from them instead")
         return apply(_CrossEntropy, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets,
                      inplace_backward)
     return api.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
