@@ -119,6 +119,83 @@ def test_a_batch_norm_that_cannot_fold_stays_with_its_reason(model, words):
     assert batch_norms(folded) == batch_norms(model)
 
 
+class Tied(nn.Module):
+    """Two convs sharing one weight; the BatchNorm follows only the first."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.second, self.bn = nn.Conv2d(2, 3, 3), nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3)
+        self.second.weight = self.first.weight
+
+    def forward(self, x):
+        return self.bn(self.first(x)) + self.second(x)
+
+
+class ReadsTheWeight(nn.Module):
+    """A forward that also uses the conv's weight itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.bn = nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3)
+
+    def forward(self, x):
+        return self.bn(self.conv(x)) + torch.nn.functional.conv2d(x, self.conv.weight)
+
+
+def hooked(index):
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3))
+    model[index].register_forward_hook(lambda module, args, out: out * 2)
+    return model
+
+
+def old_weight_norm():
+    with torch.no_grad():  # made under no_grad, its computed weight deep-copies
+        return nn.Sequential(torch.nn.utils.weight_norm(nn.Conv2d(2, 3, 3)), nn.BatchNorm2d(3))
+
+
+# Folding scales the layer's stored weight in place: each of these would change
+# something else (the helper's audit measured errors of 0.4 to 2.4 on such models).
+@pytest.mark.parametrize("model, bn, words", [
+    (Tied, "bn", "first.weight is shared (first.weight, second.weight)"),
+    (ReadsTheWeight, "bn", "the forward reads conv.weight directly"),
+    (lambda: nn.Sequential(torch.nn.utils.parametrizations.weight_norm(nn.Conv2d(2, 3, 3)), nn.BatchNorm2d(3)),
+     "1", "is parametrized"),
+    (lambda: nn.Sequential(torch.nn.utils.parametrizations.spectral_norm(nn.Conv2d(2, 3, 3)), nn.BatchNorm2d(3)),
+     "1", "is parametrized"),
+    (old_weight_norm, "1", "has hooks (forward_pre_hooks)"),
+    (lambda: hooked(0), "1", "'0' has hooks (forward_hooks)"),
+    (lambda: hooked(1), "1", "'1' has hooks (forward_hooks)"),
+], ids=["tied", "reads-weight", "weight-norm", "spectral-norm", "old-weight-norm", "conv-hook", "bn-hook"])
+def test_a_batch_norm_whose_fold_would_change_more_stays(model, bn, words):
+    seeded()
+    model = model().eval()
+    for module in model.modules():
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            randomized(module)
+    x = torch.randn(2, 2, 8, 8)
+    folded, kept = fold(model)
+    assert list(kept) == [bn] and words in kept[bn], kept
+    with torch.no_grad():
+        torch.testing.assert_close(folded(x), model(x), rtol=0, atol=0)
+
+
+def test_example_inputs_leave_a_training_batch_norms_statistics_alone():
+    seeded()
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), randomized(nn.BatchNorm2d(3)), nn.Flatten(), nn.Linear(3 * 6 * 6, 4),
+                          randomized(nn.BatchNorm1d(4))).eval()
+    model[4].train()
+    folded, kept = fold(model, torch.randn(5, 2, 8, 8))
+    assert list(kept) == ["4"] and "training mode" in kept["4"] and folded[4].training
+    assert int(folded[4].num_batches_tracked) == 0
+    torch.testing.assert_close(folded[4].running_mean, model[4].running_mean, rtol=0, atol=0)
+
+
+def test_a_model_that_cannot_be_deep_copied_is_a_clear_error():
+    model = nn.Sequential(torch.nn.utils.weight_norm(nn.Conv2d(2, 3, 3)), nn.BatchNorm2d(3)).eval()
+    with pytest.raises(ValueError, match="fold: the model cannot be deep-copied"):
+        fold(model)
+
+
 def test_a_linear_over_three_dims_is_not_folded_into_batch_norm1d():
     seeded()
     model = nn.Sequential(nn.Linear(4, 5), randomized(nn.BatchNorm1d(3))).eval()  # BN over dim 1 (L = 3)

@@ -471,6 +471,32 @@ def test_patch_keeps_the_mode_and_refuses_a_lone_batch_norm():
         tft.patch(nn.BatchNorm2d(3))
 
 
+def test_unpatch_carries_the_mode_and_replaced_tensors_back_to_the_originals():
+    """After patch: model.eval() and model.double() act on the stand-ins (.double()
+    replaces the buffers), then steps train; unpatch hands the originals the mode and
+    those tensors, so the unpatched model equals one that never was patched."""
+    seeded()
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(4 * 6 * 6, 5),
+                          nn.BatchNorm1d(5))
+    reference = copy.deepcopy(model)
+    tft.patch(model)
+    x = torch.randn(6, 3, 8, 8)
+    for m in (model, reference):
+        m.double().train()
+        m(x.double())
+        m.eval()
+    tft.unpatch(model)
+    assert all(type(m) in (nn.Conv2d, nn.BatchNorm2d, nn.Flatten, nn.Linear, nn.BatchNorm1d) for m in model)
+    assert not model[1].training and not model[4].training
+    for name, want in reference.state_dict().items():
+        got = model.state_dict()[name]
+        assert got.dtype == want.dtype, name
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-9, msg=name)
+    torch.testing.assert_close(model(x.double()), reference(x.double()), rtol=1e-6, atol=1e-9)
+    with pytest.raises(TypeError, match="unpatch: model must be a torch.nn.Module"):
+        tft.unpatch(3)
+
+
 # -- the GPU ------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu(), reason="needs a CUDA GPU")

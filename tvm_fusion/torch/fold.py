@@ -18,7 +18,9 @@ stays, with its reason, unless:
 - its input is the output of a ``Conv1d``, ``Conv2d`` or ``Linear`` submodule call,
   and nothing else reads that output;
 - the layer and the BatchNorm are each called once in the traced forward (a shared
-  layer would change its other uses);
+  layer would change its other uses), the layer's weight and bias are its own (not
+  tied to another module's, not read by the forward directly, not parametrized as
+  ``weight_norm`` or ``spectral_norm`` make them), and neither has hooks;
 - the layer's output channels equal the BatchNorm's features and lie on dim 1 of
   its input: always true for ``Conv2d`` -> ``BatchNorm2d`` (4-D); for ``Conv1d`` and
   ``Linear`` -> ``BatchNorm1d`` the input's rank must be known, so they fold only
@@ -26,7 +28,8 @@ stays, with its reason, unless:
   2-D (Linear) there (a Linear over (N, L, F) feeding ``BatchNorm1d(L)`` would
   normalize the wrong axis).
 
-The given model is not modified: ``fold`` returns a folded deep copy.
+The given model is not modified: ``fold`` returns a folded deep copy (example inputs
+run through it in eval mode, so no BatchNorm's statistics move).
 """
 
 from __future__ import annotations
@@ -48,7 +51,10 @@ def fold(model: nn.Module, *example_inputs: Any) -> tuple[nn.Module, dict[str, s
     Linear pairs be checked and folded; see the module docstring."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold: model must be a torch.nn.Module, got {type(model).__name__}")
-    folded = copy.deepcopy(model)
+    try:
+        folded = copy.deepcopy(model)
+    except RuntimeError as err:  # a computed tensor attribute (torch.nn.utils.weight_norm's weight)
+        raise ValueError(f"fold: the model cannot be deep-copied, and fold folds a copy: {err}") from err
     modules = dict(folded.named_modules())
     norms = [name for name, module in modules.items() if isinstance(module, BATCH_NORMS)]
     try:
@@ -58,18 +64,31 @@ def fold(model: nn.Module, *example_inputs: Any) -> tuple[nn.Module, dict[str, s
     if example_inputs:
         from torch.fx.passes.shape_prop import ShapeProp
 
-        with torch.no_grad():
-            ShapeProp(graph).propagate(*example_inputs)
+        modes = {module: module.training for module in folded.modules()}
+        folded.eval()  # a BatchNorm in training mode would update its statistics
+        try:
+            with torch.no_grad():
+                ShapeProp(graph).propagate(*example_inputs)
+        finally:
+            for module, training in modes.items():
+                module.training = training
     calls: dict[str, int] = {}
     for node in graph.graph.nodes:
         if node.op == "call_module":
             calls[node.target] = calls.get(node.target, 0) + 1
+    # Every name a tensor is reachable by (tied weights), and the attributes the traced
+    # forward reads directly (F.conv2d(x, self.conv.weight)).
+    names: dict[int, list[str]] = {}
+    for name, tensor in [*folded.named_parameters(remove_duplicate=False),
+                         *folded.named_buffers(remove_duplicate=False)]:
+        names.setdefault(id(tensor), []).append(name)
+    read = {node.target for node in graph.graph.nodes if node.op == "get_attr"}
     kept: dict[str, str] = {name: "not called in the traced forward" for name in norms}
     for node in graph.graph.nodes:
         if node.op != "call_module" or node.target not in kept:
             continue
         bn = modules[node.target]
-        reason = _why_kept(node, bn, modules, calls, bool(example_inputs))
+        reason = _why_kept(node, bn, modules, calls, bool(example_inputs)) or _altered(node, modules, names, read)
         if reason is not None:
             kept[node.target] = reason
             continue
@@ -111,6 +130,34 @@ def _why_kept(node, bn, modules, calls, shapes_known: bool) -> str | None:
     if meta is None or len(meta.shape) != rank:
         got = "unknown" if meta is None else f"{len(meta.shape)}-D"
         return f"{source.target!r}'s output is {got} in the example, not {rank}-D (channels on dim 1)"
+    return None
+
+
+def _altered(node, modules, names: dict[int, list[str]], read: set) -> str | None:
+    """Why folding would change more than this pair computes: a layer tensor that is
+    also another module's (tied) or read directly by the forward, a parametrized
+    weight (``weight_norm``, ``spectral_norm``: the stored tensor is not the weight),
+    or hooks on either module (a BatchNorm's would be dropped with it, a layer's
+    would see the folded weights)."""
+    layer_name = node.args[0].target
+    layer, bn = modules[layer_name], modules[node.target]
+    if torch.nn.utils.parametrize.is_parametrized(layer):
+        return f"{layer_name!r} is parametrized (its weight is computed, not stored)"
+    for name, module in ((layer_name, layer), (node.target, bn)):
+        hooks = [kind for kind in ("_forward_hooks", "_forward_pre_hooks", "_backward_hooks",
+                                   "_backward_pre_hooks", "_state_dict_hooks", "_load_state_dict_pre_hooks")
+                 if getattr(module, kind, None)]
+        if hooks:
+            return f"{name!r} has hooks ({', '.join(h.strip('_') for h in hooks)}), which folding would bypass"
+    for attribute in ("weight", "bias"):
+        tensor = getattr(layer, attribute, None)
+        if tensor is None:
+            continue
+        owners = names.get(id(tensor), [])
+        if len(owners) > 1:
+            return f"{layer_name}.{attribute} is shared ({', '.join(owners)}): folding would change its other uses"
+        if any(target in read for target in owners):
+            return f"the forward reads {owners[0]} directly: folding would change that use"
     return None
 
 

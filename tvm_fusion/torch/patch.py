@@ -6,7 +6,8 @@ it replaced; ``unpatch`` puts the originals back:
 - ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` -> :class:`tvm_fusion.torch.BatchNorm1d` /
   ``BatchNorm2d`` with the same options and mode, holding the *same* parameter and
   buffer tensors (an optimizer made before the patch still steps them, and
-  ``unpatch`` finds the trained values in the originals);
+  ``unpatch`` finds the trained values in the originals, and the stand-in's mode and
+  any tensor ``.half()``, ``.to()`` or ``load_state_dict(assign=True)`` replaced);
 - ``nn.CrossEntropyLoss`` -> :class:`PatchedCrossEntropyLoss` with the same
   arguments (weight buffer, ignore_index, reduction, label_smoothing).
 
@@ -107,9 +108,26 @@ def patch(model: nn.Module) -> list[Replaced]:
 def unpatch(model: nn.Module) -> list[Replaced]:
     """Put back every module ``patch`` swapped in ``model``; returns those swaps
     (original and the stand-in it removes)."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"unpatch: model must be a torch.nn.Module, got {type(model).__name__}")
     registry = model.__dict__.pop(_PATCHED, {})
     restored = []
     for name, original in registry.items():
-        restored.append(Replaced(name, original, model.get_submodule(name)))
+        stand_in = model.get_submodule(name)
+        _carry_state(stand_in, original)
+        restored.append(Replaced(name, original, stand_in))
         model.set_submodule(name, original)
     return restored
+
+
+def _carry_state(stand_in: nn.Module, original: nn.Module) -> None:
+    """What happened to the stand-in since the patch, onto the original: its mode
+    (``model.eval()``), and each parameter or buffer that was replaced rather than
+    updated in place (``model.half()`` or ``.to(device)`` replace the buffers,
+    ``load_state_dict(assign=True)`` both); in-place updates are already shared."""
+    original.train(stand_in.training)
+    for store in ("_parameters", "_buffers"):
+        mine, theirs = getattr(original, store), getattr(stand_in, store)
+        for name in mine:
+            if name in theirs and theirs[name] is not mine[name]:
+                mine[name] = theirs[name]
