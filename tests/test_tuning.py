@@ -216,6 +216,13 @@ def test_cli_help(sub):
         (["show", "bn_stats", "2x3x4", "--target", '{"kind": "cuda"'], "not valid JSON"),
         (["bench", "--ops", "cross_entropy_grad"], "unknown op 'cross_entropy_grad'"),
         (["show", "cross_entropy_grad", "4x8", "--label-smoothing", "2"], "label_smoothing"),
+        # int() took these: "64xx3" was (64, 3), "x4x3" (4, 3), "1_0x3" (10, 3)
+        (["show", "bn_stats", "64xx3"], "malformed shape '64xx3'"),
+        (["show", "bn_stats", "x4x3"], "malformed shape 'x4x3'"),
+        (["show", "bn_stats", "1_0x3"], "malformed shape '1_0x3'"),
+        (["show", "bn_stats", " 4x3"], "malformed shape ' 4x3'"),
+        # a contract's error inside a command: one line, not a traceback
+        (["show", "bn_stats", "4x3", "--candidate", "cross_entropy_online", "--target", "llvm"], "error: ValueError"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(args, words, capsys):

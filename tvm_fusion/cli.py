@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import time
 from typing import Any
@@ -18,18 +19,19 @@ from .api import KERNEL_OPS
 EXIT_USAGE = 2
 
 
+DEBUG_ENV = "TVM_FUSION_DEBUG"  # set: an error raises with its traceback instead of one line
+
+
 class UsageError(Exception):
     """A bad command-line value: reported in one line, exit status 2."""
 
 
 def parse_shape(text: str) -> tuple[int, ...]:
     """``64x256x56x56`` or ``64,256,56,56`` -> (64, 256, 56, 56)."""
-    parts = text.replace(",", "x").split("x")
-    try:
-        dims = tuple(int(p) for p in parts if p != "")
-    except ValueError:
-        raise UsageError(f"malformed shape {text!r}: expected sizes like 64x256x56x56") from None
-    if not dims or any(d <= 0 for d in dims):
+    if not re.fullmatch(r"[0-9]+([x,][0-9]+)*", text):  # int() alone took "64xx3", "1_0" and " 4"
+        raise UsageError(f"malformed shape {text!r}: expected sizes like 64x256x56x56")
+    dims = tuple(int(p) for p in re.split(r"[x,]", text))
+    if any(d <= 0 for d in dims):
         raise UsageError(f"malformed shape {text!r}: expected positive sizes like 64x256x56x56")
     return dims
 
@@ -487,6 +489,12 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args)
     except UsageError as err:
         print(f"tvm-fusion {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+    except (ValueError, TypeError, OSError, RuntimeError) as err:  # a contract's, the file system's or a
+        if os.environ.get(DEBUG_ENV):                                # device's answer: one line
+            raise
+        print(f"tvm-fusion {args.command}: error: {type(err).__name__}: {err} (set {DEBUG_ENV}=1 for the traceback)",
+              file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:  # e.g. `tvm-fusion show ... | head`
         sys.stderr.close()
