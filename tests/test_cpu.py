@@ -221,6 +221,36 @@ def test_bn_stats_long_channels_last_bf16_stays_accurate(rows, channels):
     assert_close(mean, ref_mean, 1e-5, 2.5e-4 * float(np.sqrt(ref_var.max())), "mean")
 
 
+@pytest.mark.skipif(torch_or_none() is None, reason="needs torch")
+@pytest.mark.parametrize("shape", [
+    (16, 2, 256, 256),  # 2^20 values a channel, in 16-lane partials a plane
+    (64, 2, 127, 127),  # odd planes: one partial a plane
+])
+def test_long_nchw_channels_keep_float32_accuracy(poisoned, shape):
+    """One float32 accumulator a lane over a whole channel drifted with its length:
+    bn_forward_parallel (no partials) put y 1.4e-3 off on 16x2x256x256 and bn_stats
+    the variance 1e-5 (torch: 3e-7 and 1e-7; the audit of 2026-12-05). A partial a
+    (plane, lane) keeps both near torch's."""
+    torch = torch_or_none()
+    import torch.nn.functional as F
+
+    import tvm_fusion.torch as tft
+
+    torch.manual_seed(int(rng().integers(2**31)))
+    x = torch.randn(shape) * 1.5 + 3.0
+    channels = shape[1]
+    rm, rv = torch.zeros(channels), torch.ones(channels)
+    y = tft.batch_norm(x, rm, rv, training=True, momentum=1.0)
+    ref_rm, ref_rv = torch.zeros(channels, dtype=torch.float64), torch.ones(channels, dtype=torch.float64)
+    ref_y = F.batch_norm(x.double(), ref_rm, ref_rv, training=True, momentum=1.0)
+    assert float((y.double() - ref_y).abs().max()) < 5e-6
+    torch.testing.assert_close(rv.double(), ref_rv, rtol=2e-6, atol=0)
+    mean, var = tf.bn_stats(x)
+    ref_var = x.double().var((0, 2, 3), unbiased=False)
+    torch.testing.assert_close(var.double(), ref_var, rtol=2e-6, atol=0)
+    torch.testing.assert_close(mean.double(), x.double().mean((0, 2, 3)), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("op", ["cross_entropy", "cross_entropy_grad"])
 def test_a_long_odd_row_keeps_its_log_sum_exp(op):
     """V = 50257 (no vector width divides it): one float32 accumulator over the whole

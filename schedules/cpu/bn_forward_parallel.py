@@ -6,9 +6,12 @@ long float32 sums), or ``running(S) -> coef(S) -> y(SSS)`` (eval), any shape.
 
 (N, C, L) view: one parallel channel loop (the per-channel outputs' loops merged
 with ``y``'s channel loop, reordered channel first) computes the channel's
-statistics, its outputs and coefficients, then its ``y`` plane after plane, so x
-comes back from the core's cache for the map; the plane's inner loop is vectorized
-by ``lanes`` where a width divides L.
+statistics (a partial a (plane, lane), vectorized, as ``bn_stats_parallel``'s:
+``cpu.common.plane_partials``), its outputs and coefficients, then its ``y`` plane
+after plane, so x comes back from the core's cache for the map; the plane's inner
+loop is vectorized by ``lanes`` where a width divides L. The statistics were one
+scalar float32 sum a channel before: y 1.4e-3 off on 16x2x256x256 (now 5e-7, torch
+3e-7; the audit of 2026-12-05, tests/test_cpu.py checks it), and unvectorized.
 (M, C) view: the statistics walk M in the outer loop with a vector of channels
 inside (x read row by row), channel groups in parallel; ``y`` runs rows in parallel
 with the channel loop vectorized.
@@ -23,7 +26,10 @@ from tvm_fusion.contracts import BNForwardProblem
 from tvm_fusion.registry import register
 
 from ..common import knob_value, merge_rows
-from .common import ChannelMapCandidate, channel_first_map, rows_outside_a_channel_vector, rows_parallel_map
+from .common import (
+    ChannelMapCandidate, channel_first_map, finish_plane_partials, plane_partials, rows_outside_a_channel_vector,
+    rows_parallel_map,
+)
 
 STATISTICS = ["mean", "var", "moments", "shift", "shift_sum"]  # consumers first (compute_at order)
 
@@ -39,12 +45,18 @@ class _ForwardParallel(ChannelMapCandidate):
                 rows_outside_a_channel_vector(sch, sch.get_sblock("moments"), knobs.lanes, parallel)
             rows_parallel_map(sch, y, knobs.lanes, parallel)
             return
-        # (N, C, L): y's loops channel first, everything of a channel at that loop.
+        # (N, C, L): the shifted sums into partials first (rfactor wants the loop nest to
+        # itself), as bn_stats_parallel's: a float32 sum over a whole channel drifted
+        # (1.4e-3 off in y for 16x2x256x256, torch 3e-7: the audit of 2026-12-05).
+        partials = plane_partials(sch, sch.get_sblock("moments"), problem, knobs.lanes) if problem.training else []
+        # y's loops channel first, everything of a channel at that loop.
         channel_first_map(sch, y, knobs.lanes, ["bn_shift", "bn_scale"])
         channel = merge_rows(sch, ["y", *channel_outputs(problem)])
         if problem.training:
-            for name in STATISTICS:
-                sch.compute_at(sch.get_sblock(name), channel, preserve_unit_loops=True)
+            mean, var, moments, *shifts = (sch.get_sblock(name) for name in STATISTICS)
+            for block in (mean, var, moments, *partials, *shifts):  # consumers first
+                sch.compute_at(block, channel, preserve_unit_loops=True)
+            finish_plane_partials(sch, partials, problem)
         if parallel:
             sch.parallel(channel)
 

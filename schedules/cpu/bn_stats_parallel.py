@@ -8,8 +8,11 @@ shape on the CPU.
 1. The channel loop of the epilogue runs in parallel; the shift, the moments
    and the variance are computed at it.
 2. ``moments`` reduces each plane into ``lanes`` float32 accumulator pairs
-   (rfactor over the innermost split of L), vectorized, then across lanes; when
-   no vector width divides L, into one partial per plane (rfactor over N).
+   (rfactor over the innermost split of L, then over N: a partial a (plane, lane),
+   ``cpu.common.plane_partials``), vectorized, then over the planes and across the
+   lanes; when no vector width divides L, into one partial per plane (rfactor over
+   N). One pair a lane over the whole channel put 160x1x256x256's variance 2.8e-4
+   off (16x2x256x256: 1e-5, now 1e-7, torch's level; the audit of 2026-12-05).
 (M, C) view:
 1. Channels are split into ``lanes``-wide groups that run in parallel.
 2. ``moments`` keeps ``partials`` partial sums along M (rfactor over a split of
@@ -37,7 +40,7 @@ from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import knob_value
 
-from .common import default_lanes, lane_choices, lane_partials, parallel_choices, vectorize_partials
+from .common import default_lanes, finish_plane_partials, lane_choices, lane_partials, parallel_choices, plane_partials
 
 
 # (M, C) partial sums along M: float32 sums of same-sign d^2 drift like the rows each
@@ -97,11 +100,11 @@ class BNStatsParallel(Candidate):
         moments, shift = sch.get_sblock("moments"), sch.get_sblock("shift")
         shift_sum = sch.get_sblock("shift_sum")
         # 2a. Partial sums first: rfactor wants the loop nest to itself.
-        by_plane = not problem.channels_last and problem.shape[2] % 4 != 0
-        if by_plane:  # no vector width divides L: one partial per plane instead
-            partial = sch.rfactor(sch.get_loops(moments)[1], factor_axis=0)
-        else:
-            partial = lane_partials(sch, moments, knobs.partials if problem.channels_last else knobs.lanes)
+        if problem.channels_last:
+            partials = [lane_partials(sch, moments, knobs.partials)]
+        else:  # each plane into vector-lane partials, or one partial a plane
+            partials = plane_partials(sch, moments, problem, knobs.lanes)
+        partial = partials[0]
         channel = sch.merge(sch.get_loops(mean)[0], sch.get_loops(var)[0])
         if problem.channels_last:
             # 1. Channel groups in parallel, a vector of channels each.
@@ -120,7 +123,6 @@ class BNStatsParallel(Candidate):
         # 1. Channels in parallel; 2b. each plane into vector-lane partials.
         if knob_value(sch, knobs.parallel):  # one choice per shape: safe to branch on
             sch.parallel(channel)
-        for block in (moments, partial, shift, shift_sum):
+        for block in (moments, *partials, shift, shift_sum):
             sch.compute_at(block, channel, preserve_unit_loops=True)
-        if not by_plane:
-            vectorize_partials(sch, partial, 1)
+        finish_plane_partials(sch, partials, problem)

@@ -73,6 +73,35 @@ def lane_partials(sch: s_tir.Schedule, block: SBlockRV, lanes: Any) -> SBlockRV:
     return sch.rfactor(lane, factor_axis=0)
 
 
+def by_plane(problem: Any) -> bool:
+    """(N, C, L) with no vector width dividing L: one partial a plane instead of lanes."""
+    return not problem.channels_last and problem.shape[2] % 4 != 0
+
+
+def plane_partials(sch: s_tir.Schedule, moments: SBlockRV, problem: Any, lanes: Any) -> list[SBlockRV]:
+    """The (N, C, L) shifted sums ``moments`` into partials (before any compute_at),
+    producers last: each plane into ``lanes`` vector partials (a partial a (plane,
+    lane): L / lanes values each), those summed over the planes a lane; or one partial
+    a plane where no width divides L (:func:`by_plane`). :func:`finish_plane_partials`
+    once they are at the channel.
+
+    Why a partial a plane: one float32 accumulator a lane over the whole channel
+    drifted with the channel's length (same-sign squares: 16x2x256x256's variance
+    1e-5 off, 160x1x256x256's 2.8e-4, the audit of 2026-12-05; torch's cascade sums
+    stay near 1e-7)."""
+    if by_plane(problem):
+        return [sch.rfactor(sch.get_loops(moments)[1], factor_axis=0)]
+    lane = lane_partials(sch, moments, lanes)
+    plane = next(loop for loop in sch.get_loops(lane) if sch.get(loop).loop_var.name == "n")
+    return [lane, sch.rfactor(plane, factor_axis=0)]
+
+
+def finish_plane_partials(sch: s_tir.Schedule, partials: list[SBlockRV], problem: Any) -> None:
+    """The (plane, lane) partials vectorized over their lanes (at the channel loop)."""
+    if not by_plane(problem):  # its loops: the channel's, then (plane, lane, channel, step)
+        vectorize_partials(sch, partials[-1], 2)
+
+
 def vectorize_partials(sch: s_tir.Schedule, partial: SBlockRV, depth: int) -> None:
     """Vectorize the lane loop of the partials once they sit ``depth`` loops deep.
 
