@@ -252,6 +252,23 @@ def test_long_nchw_channels_keep_float32_accuracy(poisoned, shape):
 
 
 @pytest.mark.parametrize("op", ["cross_entropy", "cross_entropy_grad"])
+@pytest.mark.parametrize("batch", [1_000_000, 999_983])  # sqrt(B) chunks dividing B, and a prime B (last chunk short)
+def test_a_mean_over_a_million_rows_keeps_float32_accuracy(op, batch):
+    """One float32 accumulator over the row losses drifted with B: a mean over 1M rows
+    1.1e-4 off, over 4M 2.6e-3 (the audit of 2026-12-05); chunks of about sqrt(B)
+    rows keep it near 1e-6."""
+    gen = rng()
+    logits, target, _ = ce_case(gen, batch, 4, "float32", "int64", False, 0.0)
+    options = {"mode": "fused"} if op == "cross_entropy_grad" else {}
+    problem = tf.make_problem(op, logits.shape, "float32", reduction="mean", **options)
+    (cand,) = registry.applicable(problem, CPU)
+    kernel = build_kernel(problem, CPU, cand.name)
+    outs = dict(zip([name for name, _, _ in kernel.outputs], run_poisoned(kernel, [logits, target])))
+    ref = ce_ref.reference(logits, target, None, -100, "mean", 0.0)
+    assert_close(outs["loss"], ref, 2e-6, 0.0, "mean loss")
+
+
+@pytest.mark.parametrize("op", ["cross_entropy", "cross_entropy_grad"])
 def test_a_long_odd_row_keeps_its_log_sum_exp(op):
     """V = 50257 (no vector width divides it): one float32 accumulator over the whole
     row put a row loss 1.5e-4 off (seed 707343578, and 5e-5 to 1.5e-4 on every row
