@@ -145,3 +145,23 @@ def test_dispatch_builds_a_records_choice_with_todays_schedule(monkeypatch):
     monkeypatch.setattr(kernel_module, "_CACHE", {})
     kernel = dispatch.kernel_for(problem, CUDA)
     assert tvm_ffi.structural_equal(kernel.mod, choice.mod)
+
+
+def test_a_loop_past_two_to_the_31_steps_is_not_unrolled_in_full():
+    """TVM 0.27's UnrollLoop multiplies a loop's extent by its body's steps in a C int:
+    a 2^29-long CPU plane's product wrapped negative, under the default threshold, and
+    the compile unrolled it in full until memory ran out (2x2x536870919 fp16). The
+    pipeline's threshold is the smallest int (launch_order.NO_AUTO_UNROLL). In a
+    subprocess with its address space capped, so that a regression fails here
+    instead of taking the machine's memory."""
+    import subprocess
+    import sys
+
+    code = ("import resource; resource.setrlimit(resource.RLIMIT_AS, (6 << 30, 6 << 30))\n"
+            "import tvm_fusion as tf\n"
+            "for op in ('bn_stats', 'bn_forward'):\n"
+            "    kernel = tf.build(op, (2, 2, 536870919), 'float16', 'llvm')\n"
+            "    print(op, kernel.candidate)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["bn_stats", "bn_stats_parallel", "bn_forward", "bn_forward_parallel"]

@@ -46,6 +46,15 @@ from tvm import tirx
 from . import async_rounds, grid_barrier
 from .compute import PARTITION_LIKELY_ATTR
 
+# TVM 0.27's UnrollLoop multiplies a loop's extent by its body's steps in a C int and
+# unrolls the loop when the product is at most ``auto_max_step`` (0 by default: no
+# automatic unroll outside an unroll pragma). Past 2^31 the product wraps negative, and
+# the loop was unrolled in full: a 2^29-long plane of a CPU BatchNorm (2x2x536870919)
+# ran out of memory compiling. The smallest int as the threshold keeps the default
+# without that (a pragma's own threshold still applies inside it).
+UNROLL_CONFIG = "tirx.UnrollLoop"
+NO_AUTO_UNROLL = -(2**31)
+
 # The annotation key. ``pragma_`` keys survive TVM's block lowering as an attribute
 # around the loop, where :func:`reverse_marked` finds it.
 KEY = "pragma_tvm_fusion_reversed"
@@ -199,6 +208,7 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
     :data:`~tvm_fusion.compute.PARTITION_LIKELY`), and pipelined rounds lowered as
     :mod:`tvm_fusion.async_rounds` says where one asks for that."""
     config, disabled = dict(ctx.config), [*ctx.disabled_pass, *TAIL]
+    config.setdefault(UNROLL_CONFIG, {"auto_max_step": NO_AUTO_UNROLL})
     if any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and f.attrs.get(PARTITION_LIKELY_ATTR)
            for f in mod.functions.values()):
         config["s_tir.LoopPartition"] = {"partition_const_loop": True}
