@@ -118,6 +118,30 @@ def test_a_masked_array_is_refused_with_the_reason():
         tf.bn_stats(masked)
 
 
+def test_tensors_without_dense_data_and_shapes_that_are_not_tuples_are_type_errors():
+    """Meta, sparse and nested tensors reached DLPack (or torch's shape) with an
+    internal error; a shape given as an int failed iterating it."""
+    if torch is None:
+        pytest.skip("needs torch")
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(3, 3)])
+    for x, what in ((torch.randn(4, 3, device="meta"), "meta tensor"), (torch.randn(4, 3).to_sparse(), "sparse"),
+                    (nested, "nested tensor")):
+        with pytest.raises(TypeError, match=f"x is a .*{what}"):
+            tf.bn_stats(x)
+    with pytest.raises(TypeError, match="logits is a nested tensor"):
+        tf.cross_entropy(nested, torch.tensor([0, 1]))
+    for shape in (4, None):
+        with pytest.raises(TypeError, match="shape must be a tuple of sizes"):
+            tf.build("cross_entropy", shape)
+
+
+def test_a_numpy_float32_label_smoothing_is_a_number():
+    gen = rng()
+    logits, target = ce_inputs(gen, 8, 20)
+    expected = ce_ref.reference(logits, target, None, -100, "mean", 0.25)
+    assert_close(tf.cross_entropy(logits, target, label_smoothing=np.float32(0.25)), expected, 1e-5, 1e-6, "np.float32")
+
+
 def test_merging_a_log_rebuilds_the_launchers(tmp_path):
     gen = rng()
     logits, target = ce_inputs(gen, 8, 40)

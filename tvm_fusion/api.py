@@ -47,7 +47,7 @@ def bn_stats(x: Any, layout: str = "NCHW") -> tuple[Any, Any]:
     """
     try:
         launch = _LAUNCHERS.get(("bn_stats", signature(x), layout))
-    except TypeError:  # an unhashable layout, which the contract names
+    except (TypeError, RuntimeError):  # an unhashable layout, or a nested tensor (no shape): the contract names it
         launch = None
     if launch is None:
         launch = _bn_stats_launcher(x, layout)
@@ -105,10 +105,11 @@ def cross_entropy(
     GPU, so the error is raised by a later call or by :func:`check_targets`
     (``tvm_fusion.target_check`` says how). ``check_targets=False`` reads nothing.
     """
-    key = ("cross_entropy", ce_key(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets))
+    key = None
     try:
+        key = ("cross_entropy", ce_key(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets))
         launch = _LAUNCHERS.get(key)
-    except TypeError:  # an unhashable option, which the contract names
+    except (TypeError, RuntimeError):  # an unhashable option, or a nested tensor (no shape): the contract names it
         launch = None
     if launch is None:
         launch = _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction,
@@ -300,7 +301,9 @@ def make_problem(op: str, shape: Any, dtype: str, **options: Any):
     unknown = set(options) - known
     if unknown:
         raise TypeError(f"{op}: unknown option(s) {sorted(unknown)}; known: {sorted(known)}")
-    shape = tuple(shape) if not isinstance(shape, (str, bytes)) else shape
+    if not isinstance(shape, (tuple, list)):
+        raise TypeError(f"{op}: shape must be a tuple of sizes like (4096, 32000), got {shape!r}")
+    shape = tuple(shape)
     batch = shape[0] if isinstance(shape, tuple) and shape else None
     classes = shape[1] if isinstance(shape, tuple) and len(shape) > 1 else None
     args = (

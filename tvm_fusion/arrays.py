@@ -74,6 +74,11 @@ def inspect(x: Any, op: str, name: str) -> ArrayArg:
         return ArrayArg(x, "numpy", tuple(x.shape), np.dtype(x.dtype).name, "cpu")
     if is_torch(x):
         dev = x.device
+        if dev.type == "meta" or x.layout != torch.strided or x.is_nested:
+            what = ("a meta tensor (no data)" if dev.type == "meta" else "a nested tensor" if x.is_nested
+                    else f"a {x.layout} tensor")
+            raise TypeError(f"{op}: {name} is {what}; the kernels take dense (strided) tensors with data "
+                            "(tvm_fusion.torch's ops also take meta tensors, for shapes)")
         return ArrayArg(
             x, "torch", tuple(x.shape), str(x.dtype).removeprefix("torch."), dev.type,
             dev.index or 0,

@@ -19,6 +19,7 @@ holding +inf or NaN gives NaN). The loss is float32 whatever the logits dtype.
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -185,7 +186,7 @@ def check_arguments(
         check_dtype(op, "weight", weight_dtype, FLOAT_DTYPES)
     ignore_index = check_int(op, "ignore_index", ignore_index)
     check_choice(op, "reduction", reduction, REDUCTIONS)
-    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, (int, float)):
+    if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):  # np.float32 too
         raise TypeError(f"{op}: label_smoothing must be a float, got {label_smoothing!r}")
     label_smoothing = float(label_smoothing)
     if not (0.0 <= label_smoothing <= 1.0) or math.isnan(label_smoothing):
