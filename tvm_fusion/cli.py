@@ -201,9 +201,17 @@ def cmd_build(args: argparse.Namespace) -> int:
     from .kernel import schedule_for
 
     target = _default_target(args)
+    if args.log_dir is not None and not os.path.isdir(args.log_dir):
+        raise UsageError(f"--log-dir {args.log_dir!r} is not a folder")
+    cases = list(dict.fromkeys(  # a shape given twice builds one function
+        (op, shape, dtype, tuple(sorted(options.items())))
+        for op, shape, dtype, options in _cases(args, target.kind.name == "cuda")))
+    if not cases:
+        raise UsageError("nothing to build: --ops names no operator")
     os.makedirs(args.out, exist_ok=True)
     functions, manifest = {}, []
-    for op, shape, dtype, options in _cases(args, target.kind.name == "cuda"):
+    for op, shape, dtype, option_items in cases:
+        options = dict(option_items)
         problem = _problem(op, shape, dtype, argparse.Namespace(**{**vars(args), **options}))
         choice = choose(problem, target, args.log_dir)
         mod = choice.mod if choice.mod is not None else schedule_for(problem, target, choice.candidate, choice.knobs)[0].mod
