@@ -818,6 +818,10 @@ def run(cases: list[Case] | None = None, device: str | None = None, csv_path: st
     summarize([r for r in results if r.case.op != "empty_kernel"], copy_gb_s, log)
     if csv_path:
         log(f"appended {len(results) + 1} rows to {csv_path}")
+    unmatched = sorted(p for p in providers or () if not any(wanted({p}, r.provider, api=True) for r in results))
+    if unmatched:  # a misspelt name ran nothing of its own, silently
+        raise ValueError(f"bench: no provider matched {', '.join(map(repr, unmatched))}; the names this run had: "
+                         f"{', '.join(sorted({r.provider.split(':')[0] for r in results}))}")
     if plots:
         os.makedirs(plots, exist_ok=True)
         for path in plot([r for r in results if r.case.op != "empty_kernel"], plots, copy_gb_s, hardware):
