@@ -44,6 +44,7 @@ def batch_norms(model):
     (lambda: nn.Conv1d(3, 5, 4, bias=False), lambda: nn.BatchNorm1d(5, eps=1e-3), (4, 3, 9)),
     (lambda: nn.Linear(7, 5), lambda: nn.BatchNorm1d(5), (6, 7)),
     (lambda: nn.Linear(7, 5, bias=False), lambda: nn.BatchNorm1d(5, momentum=None), (6, 7)),
+    (lambda: nn.Conv3d(4, 6, 3, groups=2), lambda: nn.BatchNorm3d(6), (2, 4, 5, 6, 5)),  # 3-D convolutions
 ])
 def test_a_layer_and_its_batch_norm_fold_to_the_same_outputs(layer, bn, shape):
     seeded()
@@ -104,7 +105,7 @@ class Shared(nn.Module):
     (lambda: nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2)).eval(), {"1": "pass example inputs"}),
     (lambda: nn.Sequential(nn.Conv2d(2, 3, 1), nn.Flatten(), nn.BatchNorm1d(3)).eval(), {"2": "'1'"}),
     (lambda: Shared().eval(), {"bn_a": "also read elsewhere", "bn_b": "called 2 times",
-                               "bn_after_relu": "not a Conv1d, Conv2d or Linear"}),
+                               "bn_after_relu": "not a Conv1d, Conv2d, Conv3d or Linear"}),
 ])
 def test_a_batch_norm_that_cannot_fold_stays_with_its_reason(model, words):
     seeded()
@@ -188,6 +189,14 @@ def test_example_inputs_leave_a_training_batch_norms_statistics_alone():
     assert list(kept) == ["4"] and "training mode" in kept["4"] and folded[4].training
     assert int(folded[4].num_batches_tracked) == 0
     torch.testing.assert_close(folded[4].running_mean, model[4].running_mean, rtol=0, atol=0)
+
+
+def test_a_torchscript_model_is_refused_not_passed_through_unfolded():
+    """A scripted model's submodules are not nn.BatchNorm instances: fold found none,
+    kept none and folded nothing, with no word."""
+    model = torch.jit.script(nn.Sequential(nn.Conv2d(2, 3, 3), nn.BatchNorm2d(3)).eval())
+    with pytest.raises(TypeError, match="TorchScript module"):
+        fold(model)
 
 
 def test_a_model_that_cannot_be_deep_copied_is_a_clear_error():

@@ -4,8 +4,8 @@ The PyTorch form of the Relax ``FoldBatchNorm`` pass, under the same contract. A
 eval-mode BatchNorm with running statistics is an affine map per channel: with
 ``s = gamma / sqrt(running_var + eps)``::
 
-    W' = W * s   (per output channel: the weight's axis 0, for Conv1d, Conv2d of any
-                  groups, and Linear)
+    W' = W * s   (per output channel: the weight's axis 0, for Conv1d, Conv2d and
+                  Conv3d of any groups, and Linear)
     b' = (b - running_mean) * s + beta        (b = 0 when the layer has no bias)
 
 so ``bn(layer(x)) == layer'(x)`` and the BatchNorm becomes ``nn.Identity``. The
@@ -15,14 +15,15 @@ The model is traced with ``torch.fx`` to find each BatchNorm's input. A BatchNor
 stays, with its reason, unless:
 
 - it is in eval mode and has running statistics (``track_running_stats``);
-- its input is the output of a ``Conv1d``, ``Conv2d`` or ``Linear`` submodule call,
+- its input is the output of a ``Conv1d``, ``Conv2d``, ``Conv3d`` or ``Linear`` submodule call,
   and nothing else reads that output;
 - the layer and the BatchNorm are each called once in the traced forward (a shared
   layer would change its other uses), the layer's weight and bias are its own (not
   tied to another module's, not read by the forward directly, not parametrized as
   ``weight_norm`` or ``spectral_norm`` make them), and neither has hooks;
 - the layer's output channels equal the BatchNorm's features and lie on dim 1 of
-  its input: always true for ``Conv2d`` -> ``BatchNorm2d`` (4-D); for ``Conv1d`` and
+  its input: always true for ``Conv2d`` -> ``BatchNorm2d`` (4-D) and ``Conv3d`` ->
+  ``BatchNorm3d`` (5-D); for ``Conv1d`` and
   ``Linear`` -> ``BatchNorm1d`` the input's rank must be known, so they fold only
   when ``example_inputs`` are given and the BatchNorm's input is 3-D (Conv1d) or
   2-D (Linear) there (a Linear over (N, L, F) feeding ``BatchNorm1d(L)`` would
@@ -40,8 +41,10 @@ from typing import Any
 import torch
 from torch import nn
 
-LAYERS = (nn.Conv1d, nn.Conv2d, nn.Linear)
-BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d)
+LAYERS = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
+BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d)
+# A conv whose output has its channels on dim 1 at a known rank, and the BatchNorm of that rank.
+CONV_NORMS = {nn.Conv2d: nn.BatchNorm2d, nn.Conv3d: nn.BatchNorm3d}
 
 
 def fold(model: nn.Module, *example_inputs: Any) -> tuple[nn.Module, dict[str, str]]:
@@ -51,6 +54,8 @@ def fold(model: nn.Module, *example_inputs: Any) -> tuple[nn.Module, dict[str, s
     Linear pairs be checked and folded; see the module docstring."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"fold: model must be a torch.nn.Module, got {type(model).__name__}")
+    if isinstance(model, torch.jit.ScriptModule):
+        raise TypeError("fold: a TorchScript module cannot be traced by torch.fx; fold the nn.Module, then script it")
     try:
         folded = copy.deepcopy(model)
     except RuntimeError as err:  # a computed tensor attribute (torch.nn.utils.weight_norm's weight)
@@ -112,16 +117,19 @@ def _why_kept(node, bn, modules, calls, shapes_known: bool) -> str | None:
     layer = modules.get(source.target) if source.op == "call_module" else None
     if not isinstance(layer, LAYERS):
         what = source.target if source.op != "call_function" else getattr(source.target, "__name__", source.target)
-        return f"its input is {source.op} {what!r}, not a Conv1d, Conv2d or Linear submodule"
+        return f"its input is {source.op} {what!r}, not a Conv1d, Conv2d, Conv3d or Linear submodule"
     if len(source.users) > 1:
         return f"the output of {source.target!r} is also read elsewhere ({len(source.users)} readers)"
     if calls[source.target] > 1:
         return f"{source.target!r} is called {calls[source.target]} times in the forward"
-    out_features = layer.out_channels if isinstance(layer, (nn.Conv1d, nn.Conv2d)) else layer.out_features
+    out_features = layer.out_features if isinstance(layer, nn.Linear) else layer.out_channels
     if out_features != bn.num_features:
         return f"{source.target!r} has {out_features} output channels, the BatchNorm {bn.num_features} features"
-    if isinstance(layer, nn.Conv2d):
-        return None if isinstance(bn, nn.BatchNorm2d) else "a Conv2d followed by a BatchNorm1d"
+    norm = next((norm for conv, norm in CONV_NORMS.items() if isinstance(layer, conv)), None)
+    if norm is not None:
+        return None if isinstance(bn, norm) else f"a {type(layer).__name__} followed by a {type(bn).__name__}"
+    if isinstance(bn, nn.BatchNorm3d):
+        return f"a {type(layer).__name__} followed by a BatchNorm3d"
     rank = 3 if isinstance(layer, nn.Conv1d) else 2
     if not shapes_known:
         return (f"the rank of {source.target!r}'s output is unknown: pass example inputs to fold "
