@@ -463,6 +463,27 @@ def test_patch_trains_the_small_resnet_as_torch_does(device):
     assert int(norms["bn"].num_batches_tracked) == 20  # the originals hold the trained state
 
 
+def test_patch_trains_a_3d_conv_net_as_torch_does(poisoned):
+    """nn.BatchNorm3d is swapped too: (N, C, D, H, W) runs the (N, C, D*H*W) kernels."""
+    seeded()
+    model = nn.Sequential(nn.Conv3d(2, 4, 3), nn.BatchNorm3d(4), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4 * 4, 3))
+    reference = copy.deepcopy(model)
+    swaps = tft.patch(model)
+    assert [type(s.replacement) for s in swaps] == [tft.BatchNorm3d]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, reference)]
+    for _ in range(3):
+        x, y = torch.randn(5, 2, 6, 6, 6), torch.randint(0, 3, (5,))
+        for m, opt in zip((model, reference), opts):
+            opt.zero_grad()
+            loss = F.cross_entropy(m(x), y)
+            loss.backward()
+            opt.step()
+    for name, want in reference.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], want, rtol=1e-4, atol=1e-5, msg=name)
+    x = torch.randn(2, 2, 6, 6, 6)
+    torch.testing.assert_close(model.eval()(x), reference.eval()(x), rtol=1e-4, atol=1e-5)
+
+
 def test_patch_keeps_the_mode_and_refuses_a_lone_batch_norm():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
     (swap,) = tft.patch(model)

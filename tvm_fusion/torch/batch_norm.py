@@ -111,6 +111,11 @@ class BatchNorm2d(_BatchNormMixin, nn.BatchNorm2d):
     or channels-last."""
 
 
+class BatchNorm3d(_BatchNormMixin, nn.BatchNorm3d):
+    """``torch.nn.BatchNorm3d`` on tvm_fusion's kernels: (N, C, D, H, W) input, as the
+    (N, C, D*H*W) kernels (other strides copied to contiguous first)."""
+
+
 # -- the views ----------------------------------------------------------------------------
 class _View:
     """How one input signature meets the kernels: the problem's shape and layout, the

@@ -3,8 +3,8 @@
 ``patch`` swaps, in place, every submodule of exactly these types and returns what
 it replaced; ``unpatch`` puts the originals back:
 
-- ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` -> :class:`tvm_fusion.torch.BatchNorm1d` /
-  ``BatchNorm2d`` with the same options and mode, holding the *same* parameter and
+- ``nn.BatchNorm1d`` / ``nn.BatchNorm2d`` / ``nn.BatchNorm3d`` ->
+  :class:`tvm_fusion.torch.BatchNorm1d` / ``BatchNorm2d`` / ``BatchNorm3d`` with the same options and mode, holding the *same* parameter and
   buffer tensors (an optimizer made before the patch still steps them, and
   ``unpatch`` finds the trained values in the originals, and the stand-in's mode and
   any tensor ``.half()``, ``.to()`` or ``load_state_dict(assign=True)`` replaced);
@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .batch_norm import BatchNorm1d, BatchNorm2d
+from .batch_norm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .cross_entropy import CrossEntropyLoss
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -79,12 +79,13 @@ _STAND_INS: dict[type, Callable[[nn.Module], nn.Module]] = {
     nn.CrossEntropyLoss: _cross_entropy,
     nn.BatchNorm1d: _batch_norm(BatchNorm1d),
     nn.BatchNorm2d: _batch_norm(BatchNorm2d),
+    nn.BatchNorm3d: _batch_norm(BatchNorm3d),
 }
 
 
 def patch(model: nn.Module) -> list[Replaced]:
-    """Swap ``model``'s ``nn.BatchNorm1d``, ``nn.BatchNorm2d`` and ``nn.CrossEntropyLoss``
-    submodules for tvm_fusion's, in place; returns the swaps (empty when there was
+    """Swap ``model``'s ``nn.BatchNorm1d``, ``nn.BatchNorm2d``, ``nn.BatchNorm3d`` and
+    ``nn.CrossEntropyLoss`` submodules for tvm_fusion's, in place; returns the swaps (empty when there was
     nothing to swap). Patching twice swaps nothing more."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch: model must be a torch.nn.Module, got {type(model).__name__}")
