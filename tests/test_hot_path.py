@@ -135,6 +135,13 @@ def test_tensors_without_dense_data_and_shapes_that_are_not_tuples_are_type_erro
             tf.build("cross_entropy", shape)
 
 
+def test_tune_many_specs_and_the_weight_option_are_checked():
+    with pytest.raises(TypeError, match=r"each spec is \(op, shape, dtype, options dict\)"):
+        tf.tune_many([("bn_stats", (4, 3), "float32")], target="llvm")
+    with pytest.raises(TypeError, match="the weight option is a bool"):
+        tf.build("cross_entropy", (4, 8), "float32", "llvm", weight="no")  # was taken as weight=True
+
+
 def test_a_numpy_float32_label_smoothing_is_a_number():
     gen = rng()
     logits, target = ce_inputs(gen, 8, 20)

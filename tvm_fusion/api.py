@@ -258,6 +258,9 @@ def tune_many(
 
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
         raise ValueError(f"tune: trials must be a positive int, got {trials!r}")
+    for spec in specs:
+        if not isinstance(spec, (tuple, list)) or len(spec) != 4 or not isinstance(spec[3], dict):
+            raise TypeError(f"tune_many: each spec is (op, shape, dtype, options dict), got {spec!r}")
     problems = [make_problem(op, shape, dtype, **options) for op, shape, dtype, options in specs]
     try:
         return run_tuner(problems, targets.resolve(target), trials, log_dir, progress)
@@ -295,6 +298,9 @@ def make_problem(op: str, shape: Any, dtype: str, **options: Any):
         if unknown:
             raise TypeError(f"{op}: unknown option(s) {sorted(unknown)}; known: {sorted(defaults)}")
         return factory(shape, dtype, **{**defaults, **options})
+    if not isinstance(options.get("weight", False), bool):  # "no" was taken as a weight
+        raise TypeError(f"{op}: the weight option is a bool (whether a class weight is passed), "
+                        f"got {options['weight']!r}")
     known = {"target_dtype", "weight", "ignore_index", "reduction", "label_smoothing"}
     if op == "cross_entropy_grad":
         known |= {"mode", "in_place"}
