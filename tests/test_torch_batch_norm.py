@@ -484,6 +484,27 @@ def test_patch_trains_a_3d_conv_net_as_torch_does(poisoned):
     torch.testing.assert_close(model.eval()(x), reference.eval()(x), rtol=1e-4, atol=1e-5)
 
 
+def test_hooks_run_on_the_stand_ins_and_handles_remove_them():
+    """A forward hook on a BatchNorm or a loss (activation statistics, say) stopped
+    running after the patch: the stand-ins share the originals' hook tables."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.Flatten())
+    seen = []
+    first = model[1].register_forward_hook(lambda module, args, out: seen.append("before the patch"))
+    loss = nn.CrossEntropyLoss()
+    loss.register_forward_pre_hook(lambda module, args: seen.append("loss"))
+    holder = nn.ModuleDict({"model": model, "loss": loss})
+    tft.patch(holder)
+    model[1].register_forward_pre_hook(lambda module, args: seen.append("after the patch"))
+    holder["loss"](model(torch.randn(2, 3, 6, 6)).view(2, -1)[:, :5], torch.tensor([0, 1]))
+    assert seen == ["after the patch", "before the patch", "loss"]
+    first.remove()
+    model(torch.randn(2, 3, 6, 6))
+    assert seen[3:] == ["after the patch"]
+    tft.unpatch(holder)
+    model(torch.randn(2, 3, 6, 6))
+    assert seen[4:] == ["after the patch"], "a hook added to the stand-in stays on the original"
+
+
 def test_patch_keeps_the_mode_and_refuses_a_lone_batch_norm():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
     (swap,) = tft.patch(model)

@@ -16,7 +16,9 @@ float32; (B, V) logits with class-index targets for the loss) and hand every oth
 call (float64, probability targets, (N, C, d1, ...) or unbatched losses) to torch's
 functional form with the same arguments, so a patched model computes what it
 computed before. Subclasses of these types are left alone (they may change
-``forward``), and so are hooks: a module's hooks stay on the original.
+``forward``). A stand-in shares the original's hook tables (forward, backward and
+state-dict hooks), so hooks registered before or after the patch run on it, and a
+handle removes a hook from both.
 """
 
 from __future__ import annotations
@@ -83,6 +85,16 @@ _STAND_INS: dict[type, Callable[[nn.Module], nn.Module]] = {
 }
 
 
+def _share_hooks(original: nn.Module, stand_in: nn.Module) -> None:
+    """The stand-in uses the original's hook tables themselves (the same dicts): a
+    forward hook on a BatchNorm (activation statistics, say) did not run after the
+    patch."""
+    for name, table in vars(original).items():
+        if "hook" in name and isinstance(table, dict):
+            setattr(stand_in, name, table)
+    stand_in._is_full_backward_hook = original._is_full_backward_hook
+
+
 def patch(model: nn.Module) -> list[Replaced]:
     """Swap ``model``'s ``nn.BatchNorm1d``, ``nn.BatchNorm2d``, ``nn.BatchNorm3d`` and
     ``nn.CrossEntropyLoss`` submodules for tvm_fusion's, in place; returns the swaps (empty when there was
@@ -98,6 +110,7 @@ def patch(model: nn.Module) -> list[Replaced]:
         if make is not None:
             replacement = make(module)
             replacement.train(module.training)
+            _share_hooks(module, replacement)
             model.set_submodule(name, replacement)
             swaps.append(Replaced(name, module, replacement))
     registry = model.__dict__.setdefault(_PATCHED, {})
