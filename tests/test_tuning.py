@@ -222,6 +222,8 @@ def test_cli_help(sub):
         (["show", "bn_stats", "1_0x3"], "malformed shape '1_0x3'"),
         (["show", "bn_stats", " 4x3"], "malformed shape ' 4x3'"),
         (["build", "--ops", ""], "nothing to build"),  # wrote a library of no function
+        (["syncbn-cost", "--fit", "--fit-world-size", "0"], "--fit-world-size must be at least 2"),  # became 2
+        (["syncbn-cost", "--width", "-8"], "--width must be positive"),  # torch's "negative dimension"
         (["bench", "--ops", "bn_stats", "--shapes", "4x3", "--dtype", "float32", "--device", "cpu", "--no-record",
           "--providers", "nonexistent"], "no provider matched 'nonexistent'"),  # ran numpy alone, exit 0
         (["build", "--ops", "bn_stats", "--log-dir", "/nonexistent/logs"], "is not a folder"),

@@ -235,6 +235,11 @@ def cmd_syncbn_cost(args: argparse.Namespace) -> int:
 
     if args.world_size < 1:
         raise UsageError(f"--world-size must be positive, got {args.world_size}")
+    if args.fit_world_size is not None and args.fit_world_size < 2:  # 0 was taken as "not given"
+        raise UsageError(f"--fit-world-size must be at least 2 (a collective needs two processes), "
+                         f"got {args.fit_world_size}")
+    if args.width < 1:
+        raise UsageError(f"--width must be positive, got {args.width}")
     try:
         layers = ([(f"bn{i}", c) for i, c in enumerate(parse_shape(args.channels))] if args.channels
                   else sync_cost.model_layers(args.model, args.width))
