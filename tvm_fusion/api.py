@@ -310,8 +310,8 @@ def make_problem(op: str, shape: Any, dtype: str, **options: Any):
     if not isinstance(shape, (tuple, list)):
         raise TypeError(f"{op}: shape must be a tuple of sizes like (4096, 32000), got {shape!r}")
     shape = tuple(shape)
-    batch = shape[0] if isinstance(shape, tuple) and shape else None
-    classes = shape[1] if isinstance(shape, tuple) and len(shape) > 1 else None
+    batch = shape[0] if shape else None
+    classes = shape[1] if len(shape) > 1 else None
     args = (
         shape, dtype, None if batch is None else (batch,), options.get("target_dtype", "int64"),
         (classes,) if options.get("weight") else None, "float32",

@@ -99,20 +99,17 @@ def signature(x: Any) -> tuple:
     Equal signatures mean equal shape, dtype, device and contiguity, so a contract
     check passed once holds for every later argument with that signature."""
     kind = type(x)
-    if kind is np.ndarray:
-        return (kind, x.shape, x.dtype, x.flags.c_contiguous)
-    if kind is TORCH_TENSOR:
-        return (kind, x.shape, x.dtype, x.device, x.is_contiguous())
     if x is None:
         return (None,)
+    # The exact types first (the hot path's), then their subclasses (np.memmap,
+    # nn.Parameter) by the same properties, never by id: a later object of another
+    # shape may reuse a freed one's id.
+    if kind is np.ndarray or (kind is not TORCH_TENSOR and isinstance(x, np.ndarray)):
+        return (kind, x.shape, x.dtype, x.flags.c_contiguous)
+    if kind is TORCH_TENSOR or is_torch(x):
+        return (kind, x.shape, x.dtype, x.device, x.is_contiguous())
     if isinstance(x, tvm_ffi.Tensor):
         return (kind, tuple(x.shape), str(x.dtype), str(x.device))
-    # A subclass (np.memmap, nn.Parameter): its properties, never its id, which a later
-    # object of another shape may reuse once this one is freed.
-    if isinstance(x, np.ndarray):
-        return (kind, x.shape, x.dtype, x.flags.c_contiguous)
-    if is_torch(x):
-        return (kind, x.shape, x.dtype, x.device, x.is_contiguous())
     return (kind, id(x))  # a foreign object: the slow path refuses it
 
 
