@@ -30,7 +30,7 @@ import tvm
 from helpers import (TOLERANCES, assert_close, candidate_params, check_compiles_without_spills, has_gpu, needs_nvcc,
                      np_dtype, random_floats, rng, run_poisoned, shipped_problems, torch_or_none)
 from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
-from tvm_fusion import dispatch, registry, targets, tuner
+from tvm_fusion import dispatch, registry, single_launch, targets, tuner
 from tvm_fusion.codegen import cuda_report, nvcc_path
 from tvm_fusion.compute import ALGORITHMS, algorithms_for, prim_func, problem_from_json, problem_of, problem_to_json
 from tvm_fusion.compute.cross_entropy_grad import MODE_OF
@@ -417,10 +417,17 @@ def test_cpu_tune_records_dispatch_and_a_correct_kernel(tmp_path):
 
 # -- the CUDA candidates' generated code -------------------------------------------------
 def row_kernel(source: str) -> str:
-    """The body of the kernel that writes dlogits."""
+    """The body of the kernel that writes dlogits, up to the loss stage its last block
+    runs where single_launch merged that in (after the merge's fence)."""
     bodies = re.split(r'(?=extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?\w+\([^)]*\) \{)', source)
     (body,) = [b for b in bodies if b.startswith("extern") and ("dlogits_ptr[" in b or "dlogits_ptr +" in b)]
-    return body
+    return body.split("__threadfence();")[0]
+
+
+def only_launch_tickets(source: str) -> bool:
+    """Every atomic of ``source`` is single_launch's ticket."""
+    atomics = re.findall(r"atomic\w*\([^;]*;", source, re.IGNORECASE)
+    return all(a == "atomicAdd((&(launch_counter_ptr[0])), 1);" for a in atomics)
 
 
 def expects_shuffles(cand, problem) -> bool:
@@ -463,8 +470,8 @@ def test_cuda_source_shows_the_strategy(problem, candidate):
     source = kernel.device_source()
     cand = registry.get(candidate)
     assert ("__shfl_down_sync" in source) == expects_shuffles(cand, problem)
-    assert "atomic" not in source.lower()
-    scratch = kernel_params(source) - {name for name, _, _ in kernel.params}
+    assert only_launch_tickets(source)
+    scratch = kernel_params(source) - {name for name, _, _ in kernel.params} - {single_launch.COUNTER}
     assert all(name.endswith("_rf") for name in scratch), "a kernel takes a scratch buffer"  # but chunk partials
     assert not barriers_under_a_guard(source)
     assert not shared_stores_by_every_thread(source), shared_stores_by_every_thread(source)[:2]

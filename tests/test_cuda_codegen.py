@@ -362,8 +362,9 @@ def test_two_level_batch_stage_reduces_across_lanes(op, shape, options, candidat
     """From 16384 rows a batch stage is cut into chunks that divide the rows (an uneven
     cut made TVM drop the cross-thread lowering: every lane read-modify-wrote the
     partial), one block each: each kernel that writes chunk partials reduces across its
-    lanes with shuffles first, and the final block reads exactly ``chunks`` of them.
-    A prime row count, or fewer than 16384 rows, keeps one block."""
+    lanes with shuffles first, and the final block, which that kernel's last block runs
+    (single_launch: after its fence), reads exactly ``chunks`` of them. A prime row
+    count, or fewer than 16384 rows, keeps one block."""
     from test_bn_channels_last_cuda import kernel_bodies
     from tvm_fusion.schedules.cuda.common import batch_chunks
 
@@ -376,11 +377,14 @@ def test_two_level_batch_stage_reduces_across_lanes(op, shape, options, candidat
         assert not writers and "_rf_ptr" not in source
         return
     assert writers, "no kernel writes chunk partials"
+    readers = []
     for body in writers:
-        assert "__shfl_down_sync" in body, "a chunk's partial is written without a cross-lane reduction"
-        assert f"blockIdx.x) * {shape[0] // chunks})" in body  # a block per chunk of rows
-    readers = [body for body in bodies if "_rf_ptr" in body and body not in writers]
-    assert readers and all(f"threadIdx.x) < {chunks})" in body or chunks % 32 == 0 for body in readers)
+        own, merged, last_block = body.partition("__threadfence();")
+        assert merged, "the final block is not merged into the partials' kernel"
+        assert "__shfl_down_sync" in own, "a chunk's partial is written without a cross-lane reduction"
+        assert f"blockIdx.x) * {shape[0] // chunks})" in own  # a block per chunk of rows
+        readers.append(last_block)
+    assert all(f"threadIdx.x) < {chunks})" in body for body in readers)  # 256 lanes, a partial each
 
 
 @pytest.mark.parametrize("op, candidate, splits", [("bn_stats", "bn_stats_split_plane", 50), ("bn_stats", "bn_stats_split_plane", 25),

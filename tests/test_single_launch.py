@@ -9,6 +9,8 @@ import re
 
 import numpy as np
 import pytest
+import tvm
+from tvm import tirx
 
 import tvm_fusion as tf
 from helpers import has_gpu, torch_or_none
@@ -69,8 +71,9 @@ def test_a_second_kernel_of_a_block_a_channel_runs_as_a_loop():
 
 
 def test_kernels_that_cannot_merge_keep_their_launches():
-    # Row kernel of 256 lanes, batch stage of 1024: different thread extents.
-    problem = tf.make_problem("cross_entropy", (1024, 8192), "float32")
+    # Row kernel of 256 lanes over 4096 rows: the batch stage keeps 1024 lanes (16 rows a
+    # lane on 256), so the thread extents differ.
+    problem = tf.make_problem("cross_entropy", (4096, 8192), "float32")
     kernel = build_kernel(problem, CUDA, "cross_entropy_online", knobs_of("cross_entropy_online", problem, {"threads": 256}))
     assert kernel.counted and kernel.launches() == 2
     assert "launch_counter" not in kernel.device_source()
@@ -79,101 +82,143 @@ def test_kernels_that_cannot_merge_keep_their_launches():
     assert build_kernel(problem, CUDA, "bn_stats_split_plane").launches() == 2
 
 
-def test_only_the_calls_kernels_take_a_counter():
+def test_a_batch_stage_of_few_rows_takes_the_row_kernels_lanes_and_merges():
+    # 1024 rows on 256 lanes: 4 rows a lane (MERGED_ROWS_PER_LANE), so one launch.
+    problem = tf.make_problem("cross_entropy", (1024, 8192), "float32")
+    kernel = build_kernel(problem, CUDA, "cross_entropy_online", knobs_of("cross_entropy_online", problem, {"threads": 256}))
+    assert kernel.launches() == 1
+    assert "__launch_bounds__(256)" in kernel.device_source()
+
+
+def ticket_count(source: str) -> int:
+    return len(re.findall(r"int launch_ticket = atomicAdd\(\(&\(launch_counter_ptr\[0\]\)\), 1\);", source))
+
+
+@pytest.mark.parametrize("candidate, in_place", [("cross_entropy_grad_warp_per_row_padded", False),
+                                                ("cross_entropy_grad_online", True)])
+def test_the_gradients_two_level_stages_each_merge(candidate, in_place):
+    # 65536 rows: the targets pass and the loss are each partials (64 blocks of 256 lanes)
+    # then one block of 256 lanes; both pairs merge, the row kernel between them stays.
+    problem = tf.make_problem("cross_entropy_grad", (65536, 1000), "float16", in_place=in_place)
+    kernel = build_kernel(problem, CUDA, candidate)
+    source = kernel.device_source()
+    assert kernel.counted and kernel.launches() == 3
+    assert ticket_count(source) == 2 and source.count("launch_counter_ptr[0] = 0;") == 2
+    assert set(re.findall(r"launch_ticket == (\d+)\)", source)) == {"63"}  # the last of 64 partials blocks
+    assert ("__restrict__" in source) is not in_place  # the aliased pipeline still withdraws no-alias
+
+
+def test_the_gradients_loss_stage_runs_in_the_row_kernels_last_block():
     problem = tf.make_problem("cross_entropy_grad", (128, 32000), "float16")
     kernel = tf.build("cross_entropy_grad", (128, 32000), "float16", target=CUDA)
-    assert kernel.problem == problem and not kernel.counted
+    assert kernel.problem == problem and kernel.counted
+    assert kernel.launches() == 2 and ticket_count(kernel.device_source()) == 1  # targets pass, then rows + loss
     cpu = tf.build("cross_entropy", (128, 32000), "float16", target="llvm")
     assert not cpu.counted
+    bn = tf.build("bn_forward", (8, 16, 8, 8), "float16", target=CUDA)
+    assert not bn.counted
 
 
-def test_with_launch_counter_appends_one_int32_parameter():
-    kernel = merged_kernel(*MERGED[0])
-    mod = single_launch.with_launch_counter(kernel.mod)
-    params = mod["main"].params
-    assert [p.name for p in params[:-1]] == [p.name for p in kernel.mod["main"].params]
-    assert params[-1].name == single_launch.COUNTER and str(params[-1].dtype) == "int32"
-    assert tuple(int(d) for d in params[-1].shape) == (1,)
+def launch(blocks, threads, store):
+    """A launch nest of ``blocks`` x ``threads`` (1-D each) around ``store(bx, tx)``."""
+    bx, tx = tirx.Var("bx", "int32"), tirx.Var("tx", "int32")
+    block = tirx.IterVar(tvm.ir.Range(0, blocks), bx, tirx.IterVar.ThreadIndex, "blockIdx.x")
+    thread = tirx.IterVar(tvm.ir.Range(0, threads), tx, tirx.IterVar.ThreadIndex, "threadIdx.x")
+    return tirx.AttrStmt(block, "thread_extent", blocks,
+                         tirx.AttrStmt(thread, "thread_extent", threads, store(bx, tx)))
 
 
-# -- on the GPU ---------------------------------------------------------------------
-def reference(op, options, inputs):
-    if op == "bn_stats":
-        x = inputs[0].double()
-        var, mean = torch.var_mean(x, dim=(0, 2, 3), correction=0)
-        return [mean.float(), var.float()]
-    logits, target, *weight = inputs
-    loss = torch.nn.functional.cross_entropy(logits.double(), target, weight[0].double() if weight else None,
-                                             reduction=options.get("reduction", "mean"))
-    return [loss.float()]
+@pytest.mark.parametrize("blocks, groups", [((8, 1, 1), [1, 2]), ((8, 1, 1, 1), [2, 2]), ((1, 8, 1), [1, 2]),
+                                            ((8, 16), [1, 1])])
+def test_pairs_merge_from_the_last_launch_and_never_overlap(blocks, groups):
+    """Launches of few blocks merge into the launch before them, taken from the end; a
+    merged launch is neither merged again nor run by another's last block. ``groups``:
+    how many of the launches each launch after the pass holds."""
+    bufs = [tirx.decl_buffer((64,), "float32", f"b{k}") for k in range(len(blocks))]
+    counter = tirx.decl_buffer((1,), "int32", single_launch.COUNTER)
+    stmts = [launch(blocks[0], 32, lambda bx, tx: tirx.BufferStore(bufs[0], tirx.Cast("float32", tx), [tx]))]
+    for k in range(1, len(blocks)):
+        stmts.append(launch(blocks[k], 32,
+                            lambda bx, tx, k=k: tirx.BufferStore(bufs[k], tirx.BufferLoad(bufs[k - 1], [tx]), [tx])))
+    func = single_launch.merge_launch_pairs(tirx.PrimFunc([*bufs, counter], tirx.SeqStmt(stmts)))
+    launches = list(func.body.seq) if isinstance(func.body, tirx.SeqStmt) else [func.body]
+    assert [s.script().count("atomicAdd") + 1 for s in launches] == groups
 
 
-def random_inputs(op, shape, dtype, options, seed):
+# (shape, dtype, options, launches): the gradient's calls whose launches merge in pairs
+# (65536 rows: both two-level stages, five launches to three; 128 rows: the loss into
+# the row kernel, three to two).
+GRAD_MERGED = [((65536, 1000), "float16", {"reduction": "sum"}, 3), ((128, 32000), "bfloat16", {}, 2),
+               ((65536, 1000), "float32", {"label_smoothing": 0.1, "inplace_backward": True}, 3)]
+
+
+def grad_inputs(shape, dtype, seed):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    x = (torch.randn(shape, device="cuda", generator=gen) * (1 + seed % 3) + 0.25 * seed).to(getattr(torch, dtype))
-    if op == "bn_stats":
-        return [x]
+    logits = (torch.randn(shape, device="cuda", generator=gen) * 3 + seed).to(getattr(torch, dtype))
     target = torch.randint(0, shape[1], (shape[0],), device="cuda", generator=gen)
     target[::7] = -100
-    weight = [torch.rand(shape[1], device="cuda", generator=gen) + 0.5] if options.get("weight") else []
-    return [x, target, *weight]
+    return logits, target
 
 
-def call(op, options, inputs):
-    if op == "bn_stats":
-        return list(tf.bn_stats(inputs[0]))
-    logits, target, *weight = inputs
-    options = {k: v for k, v in options.items() if k != "weight"}  # make_problem's flag: the tensor goes here
-    return [tf.cross_entropy(logits, target, weight[0] if weight else None, check_targets=False, **options)]
+def grad_reference(logits, target, options):
+    x = logits.double().requires_grad_()
+    kwargs = {k: v for k, v in options.items() if k != "inplace_backward"}
+    loss = torch.nn.functional.cross_entropy(x, target, **kwargs)
+    return loss.detach(), torch.autograd.grad(loss, x)[0]
+
+
+def grad_call(logits, target, options):
+    import tvm_fusion.torch as tft
+
+    x = logits.clone().requires_grad_()
+    if options.get("inplace_backward"):
+        x = x * 1  # not a leaf: the gradient may overwrite it
+    loss = tft.cross_entropy(x, target, check_targets=False, **options)
+    (grad,) = torch.autograd.grad(loss, x)
+    return loss.detach(), grad
+
+
+def assert_grad_close(got, want, dtype):
+    loss, grad = got
+    tol = {"float32": 1e-5, "bfloat16": 1e-2, "float16": 2e-3}[dtype]
+    torch.testing.assert_close(loss.double(), want[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad.double(), want[1], rtol=tol, atol=tol * float(want[1].abs().max()))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
-@pytest.mark.parametrize("case", MERGED, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}")
-def test_merged_kernels_stay_right_call_after_call_on_two_streams_and_in_a_graph(case):
-    op, shape, dtype, options = case[:4]
-    kernel = merged_kernel(*case)
-    assert kernel.launches() == 1
-    # The kernel itself, with poisoned outputs, three times on one counter.
-    from test_gpu import run_kernel
+@pytest.mark.parametrize("case", GRAD_MERGED, ids=lambda c: f"{'x'.join(map(str, c[0]))}-{c[1]}-{len(c[2])}")
+def test_merged_gradient_kernels_stay_right_on_two_streams_and_in_a_graph(poisoned, case):
+    shape, dtype, options, launches = case
+    problem = tf.make_problem("cross_entropy_grad", shape, dtype, in_place=bool(options.get("inplace_backward")),
+                              **{k: v for k, v in options.items() if k != "inplace_backward"})
+    from tvm_fusion.dispatch import kernel_for
 
-    for seed in range(3):
-        inputs = random_inputs(op, shape, dtype, options, seed)
-        outs = run_kernel(kernel, inputs)
-        got = outs[:2] if op == "bn_stats" else [outs[-2].reshape(reference(op, options, inputs)[0].shape)]
-        for value, want in zip(got, reference(op, options, inputs)):
-            np.testing.assert_allclose(value, want.cpu().numpy(), rtol=2e-4, atol=2e-4)
-    # The public call (dispatch's kernel, which may or may not be this one), on two
-    # streams at once, twenty calls each.
+    assert kernel_for(problem, targets.for_device("cuda")).launches() == launches
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    data = [random_inputs(op, shape, dtype, options, 10 + k) for k in range(2)]
-    refs = [reference(op, options, d) for d in data]
+    data = [grad_inputs(shape, dtype, k) for k in range(2)]
+    refs = [grad_reference(*d, options) for d in data]
     torch.cuda.synchronize()
     results = [[], []]
-    for _ in range(20):
+    for _ in range(10):
         for k, stream in enumerate(streams):
             with torch.cuda.stream(stream):
-                results[k].append(call(op, options, data[k]))
+                results[k].append(grad_call(*data[k], options))
     torch.cuda.synchronize()
     for k in range(2):
         for got in results[k]:
-            for value, want in zip(got, refs[k]):
-                torch.testing.assert_close(value.reshape(want.shape), want, rtol=2e-4, atol=2e-4)
-    # Captured once, replayed on new data three times, eager calls in between.
+            assert_grad_close(got, refs[k], dtype)
     static = [t.clone() for t in data[0]]
-    graph = torch.cuda.CUDAGraph()
-    call(op, options, static)  # warm: launcher built outside the capture
+    grad_call(*static, options)  # warm: launcher built outside the capture
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = call(op, options, static)
-    for seed in range(20, 23):
-        fresh = random_inputs(op, shape, dtype, options, seed)
-        for dst, src in zip(static, fresh):
+        captured = grad_call(*static, options)
+    for seed in range(20, 22):
+        for dst, src in zip(static, grad_inputs(shape, dtype, seed)):
             dst.copy_(src)
         graph.replay()
-        eager = call(op, options, data[1])
+        eager = grad_call(*data[1], options)
         torch.cuda.synchronize()
-        for value, want in zip(captured, reference(op, options, fresh)):
-            torch.testing.assert_close(value.reshape(want.shape), want, rtol=2e-4, atol=2e-4)
-        for value, want in zip(eager, refs[1]):
-            torch.testing.assert_close(value.reshape(want.shape), want, rtol=2e-4, atol=2e-4)
+        assert_grad_close(captured, grad_reference(*static, options), dtype)
+        assert_grad_close(eager, refs[1], dtype)

@@ -12,6 +12,7 @@ AVX-512 loads, so every numpy array (malloc gives 16) had to be copied first.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
@@ -287,30 +288,32 @@ def build_kernel(
         mod = sch.mod
     with target:
         compiled = compiled_form(mod, problem, input_shapes, workspace=WORKSPACE_PARAMS and target.kind.name == "cuda")
-        pipeline = ALIASED_PIPELINE if getattr(problem, "in_place", False) else launch_order.PIPELINE
+        pipeline = launch_order.PIPELINE
         if target.kind.name == "cuda" and problem.op in SINGLE_LAUNCH_OPS and single_launch.ENABLED:
             compiled, pipeline = single_launch.with_launch_counter(compiled), single_launch.PIPELINE
+        if getattr(problem, "in_place", False):
+            pipeline = ALIASED_PIPELINES[pipeline]
         executable = tvm.compile(compiled, target=target, tir_pipeline=pipeline)
     kernel = Kernel(problem, target, candidate, knobs, source, mod, executable, compiled)
     with _LOCK:
         return _CACHE.setdefault(cache_key, kernel)
 
 
-ALIASED_PIPELINE = "tvm_fusion_aliased"
-# The calls whose second kernel the last block of the first runs (single_launch):
-# a call of one launch costs the host one TVM launch less (README, "Results").
-SINGLE_LAUNCH_OPS = ("cross_entropy", "bn_stats")
+# The calls whose kernels single_launch merges in pairs where it can: a call of one
+# launch fewer costs the host one TVM launch less (README, "Results").
+SINGLE_LAUNCH_OPS = ("cross_entropy", "bn_stats", "cross_entropy_grad")
 
 
-def _aliased_pipeline(**kwargs):
-    """``launch_order``'s pipeline (TVM's default), then every function's no-alias promise withdrawn.
+def _aliased_pipeline(base: str, **kwargs):
+    """The ``base`` pipeline (``launch_order``'s or ``single_launch``'s), then every
+    function's no-alias promise withdrawn.
 
     For a problem that writes an output over an input (the gradient over the logits):
     SplitHostDevice marks every device kernel ``tirx.noalias``, which prints each
     pointer ``__restrict__`` and lets the compiler read the input through the
     non-coherent cache or reload it after a store. Without it the generated code keeps
     every load before the stores that follow it."""
-    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline(launch_order.PIPELINE, **kwargs)
+    pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline(base, **kwargs)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.WithdrawNoAlias")
     def withdraw_no_alias(mod, _ctx):
@@ -322,7 +325,10 @@ def _aliased_pipeline(**kwargs):
     return tvm.transform.Sequential([pipeline, withdraw_no_alias]), finalize_host, finalize_device
 
 
-tvm.tirx.compilation_pipeline.register_tir_pipeline(ALIASED_PIPELINE, _aliased_pipeline)
+# The aliased form of each base pipeline, by the base's name.
+ALIASED_PIPELINES = {base: f"{base}_aliased" for base in (launch_order.PIPELINE, single_launch.PIPELINE)}
+for _base, _name in ALIASED_PIPELINES.items():
+    tvm.tirx.compilation_pipeline.register_tir_pipeline(_name, functools.partial(_aliased_pipeline, _base))
 
 
 def cache_size() -> int:

@@ -17,11 +17,16 @@ reductions and before it splits host from device code:
    over each of at most ``MAX_SERIAL_BLOCKS`` blocks), its thread indices bound to the
    first kernel's, which must be the same (tags and extents).
 
+Every such pair of a function is merged, from the last launch backwards, the pairs
+apart: the cross entropy gradient's targets pass over many rows (partials, then one
+block) and its loss stage (the same) become two launches instead of four.
+
 ``launch_counter`` is a zeroed int32 (1,) parameter that :func:`with_launch_counter`
 appends to ``main``; each API launcher passes one of its own per CUDA stream
 (``arrays.Kind.scratch``), a direct kernel call (``Kernel.func``) one per stream here.
 Where the pass cannot merge (one kernel, different thread extents, a second kernel of
-more blocks) it leaves the function as it was, the counter unused.
+more blocks) it leaves those launches as they were, and a function with none merged
+leaves the counter unused.
 """
 
 from __future__ import annotations
@@ -120,7 +125,8 @@ def _flatten_second(launch, threads):
     while _thread_attr(stmt, "blockIdx") or _thread_attr(stmt, "threadIdx"):
         tag, var = stmt.node.thread_tag, stmt.node.var
         if tag.startswith("threadIdx"):
-            binds.append(tirx.Bind(var, by_tag[tag]))
+            first = by_tag[tag]
+            binds.append(tirx.Bind(var, first if first.ty.dtype == var.ty.dtype else tirx.Cast(var.ty.dtype, first)))
         else:
             blocks.append((var, int(stmt.value)))
         body = stmt.body
@@ -133,40 +139,33 @@ def _flatten_second(launch, threads):
             prefix.append(last)
             break
     serial = [(var, extent) for var, extent in blocks if extent > 1]
-    body = [*binds, *[tirx.Bind(var, tirx.const(0, "int32")) for var, extent in blocks if extent == 1], *prefix]
+    body = [*binds, *[tirx.Bind(var, tirx.const(0, var.ty.dtype)) for var, extent in blocks if extent == 1], *prefix]
     if not serial:
         return body
     (var, extent), = serial
-    loop_var = tirx.Var(var.name + "_serial", "int32")
+    loop_var = tirx.Var(var.name + "_serial", var.ty.dtype)  # int64 past 2^31 elements
     # A sync ends each block: the next one's shared-memory writes come after every
     # lane's reads of this one's.
-    return [tirx.For(loop_var, 0, extent, tirx.ForKind.SERIAL,
+    return [tirx.For(loop_var, tirx.const(0, var.ty.dtype), tirx.const(extent, var.ty.dtype), tirx.ForKind.SERIAL,
                      tirx.SeqStmt([tirx.Bind(var, loop_var), *body, _sync()]))]
 
 
-def merge_last_launch(func: tirx.PrimFunc) -> tirx.PrimFunc:
-    """``func`` with its last kernel run by the last block of the kernel before it
-    (the module docstring says how), or unchanged where that cannot be done."""
-    counter = _counter(func)
-    if counter is None:
-        return func
-    top = func.body
-    seq = list(top.seq) if isinstance(top, tirx.SeqStmt) else [top]
-    if len(seq) < 2 or not (_thread_attr(seq[-1], "blockIdx") and _thread_attr(seq[-2], "blockIdx")):
-        return func
-    first, second = _launch_nest(seq[-2]), _launch_nest(seq[-1])
+def _merged(first_launch, second_launch, counter):
+    """The two launches as one, the second run by the last block of the first (the
+    module docstring says how), or None where that cannot be done."""
+    first, second = _launch_nest(first_launch), _launch_nest(second_launch)
     if first is None or second is None:
-        return func
+        return None
     (blocks1, threads1, _), (blocks2, threads2, _) = first, second
     if [(t, e) for t, _, e in threads1] != [(t, e) for t, _, e in threads2]:
-        return func
+        return None
     serial = [e for _, _, e in blocks2 if e > 1]
     if len(serial) > 1 or (serial and serial[0] > MAX_SERIAL_BLOCKS):
-        return func
+        return None
     grid = 1
     for _, _, extent in blocks1:
         grid *= extent
-    innermost = seq[-2]
+    innermost = first_launch
     while True:  # the first kernel's innermost body
         body = innermost.body
         tail = (list(body.seq) if isinstance(body, tirx.SeqStmt) else [body])[-1]
@@ -176,9 +175,11 @@ def merge_last_launch(func: tirx.PrimFunc) -> tirx.PrimFunc:
         break
     first_body = innermost.body
     # A thread attribute below a nest (inside a loop or a branch) would be a lane the
-    # ticket's lane-0 test does not see.
-    if "launch_thread" in first_body.script() or "launch_thread" in second[2].body.script():
-        return func
+    # ticket's lane-0 test does not see; a ticket already there (a merged launch) would
+    # share the counter with this one.
+    for script in (first_body.script(), second[2].body.script()):
+        if "launch_thread" in script or COUNTER in script:
+            return None
 
     is_last = tirx.decl_buffer((1,), "int32", "launch_is_last", scope="shared")
     ticket = tirx.Var("launch_ticket", "int32")
@@ -191,7 +192,7 @@ def merge_last_launch(func: tirx.PrimFunc) -> tirx.PrimFunc:
         tirx.BufferStore(is_last, tirx.Select(ticket == grid - 1, 1, 0), [0]),
         tirx.IfThenElse(ticket == grid - 1, tirx.BufferStore(counter, tirx.const(0, "int32"), [0]), None),
     ])
-    last_block = tirx.SeqStmt([_fence(), *_flatten_second(seq[-1], threads1)])
+    last_block = tirx.SeqStmt([_fence(), *_flatten_second(second_launch, threads1)])
     merged_body = tirx.SeqStmt([
         first_body,
         _fence(),
@@ -201,16 +202,40 @@ def merge_last_launch(func: tirx.PrimFunc) -> tirx.PrimFunc:
         _sync(),
         tirx.IfThenElse(tirx.BufferLoad(is_last, [0]) != 0, last_block, None),
     ])
-    merged = _replace_innermost(seq[-2], merged_body)
-    new_seq = [*seq[:-2], merged]
-    return func.with_body(tirx.SeqStmt(new_seq) if len(new_seq) > 1 else merged)
+    return _replace_innermost(first_launch, merged_body)
 
 
-@tvm.transform.module_pass(opt_level=0, name="tvm_fusion.MergeLastLaunch")
+def merge_launch_pairs(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with each kernel that can be run by the last block of the kernel before
+    it merged into that one, or unchanged where none can. Pairs are taken from the last
+    launch backwards and never overlap: a merged kernel is neither merged again nor run
+    by another's last block, so one counter serves them all (launches on a stream run in
+    order, and each merged kernel leaves the counter at 0)."""
+    counter = _counter(func)
+    if counter is None:
+        return func
+    top = func.body
+    seq = list(top.seq) if isinstance(top, tirx.SeqStmt) else [top]
+    merged_any, i = False, len(seq) - 2
+    while i >= 0:
+        merged = None
+        if _thread_attr(seq[i], "blockIdx") and _thread_attr(seq[i + 1], "blockIdx"):
+            merged = _merged(seq[i], seq[i + 1], counter)
+        if merged is None:
+            i -= 1
+            continue
+        seq[i:i + 2] = [merged]
+        merged_any, i = True, i - 2
+    if not merged_any:
+        return func
+    return func.with_body(tirx.SeqStmt(seq) if len(seq) > 1 else seq[0])
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_fusion.MergeLaunchPairs")
 def merge_launches(mod, _ctx):
     for gvar, func in list(mod.functions.items()):
         if isinstance(func, tirx.PrimFunc):
-            mod[gvar] = merge_last_launch(func)
+            mod[gvar] = merge_launch_pairs(func)
     return mod
 
 
@@ -267,9 +292,16 @@ def tvm_counter(device: Any) -> Any:
     return found
 
 
+_GETTERS: dict[int, Callable[[], Any]] = {}  # torch_counter's function per CUDA device index
+
+
 def counter_like(x: Any) -> Any:
     """The launch counter for a kernel whose first argument is ``x`` (a torch or TVM tensor)."""
     if isinstance(x, tvm_ffi.Tensor):
         return tvm_counter(x.device)
-    return torch_counter(x.device.index or 0)()
+    index = x.get_device()
+    get = _GETTERS.get(index)
+    if get is None:
+        get = _GETTERS.setdefault(index, torch_counter(max(index, 0)))
+    return get()
 

@@ -75,10 +75,26 @@ def spans_two_vectors(classes: int, dtype: str) -> bool:
     return classes > widest_vector(dtype, classes)
 
 
+# A one-block batch stage runs on the row kernel's lanes where each lane then sums at
+# most this many rows (as many as the widest block takes on 4096 rows): single_launch
+# then runs it in the row kernel's last block, one launch fewer. Past it, the stage
+# keeps MAX_THREADS lanes, whose loads are more in flight than a merge saves.
+MERGED_ROWS_PER_LANE = 4
+
+
+def batch_threads(sch: s_tir.Schedule, rows: int, row_threads: Any) -> Any:
+    """The lanes of the one-block batch stage over ``rows`` after a row kernel of
+    ``row_threads`` lanes (``threadIdx.x`` only; an int or a sampled knob): those lanes
+    where that merges the two launches at no more than MERGED_ROWS_PER_LANE rows a
+    lane, else MAX_THREADS."""
+    return row_threads if rows <= MERGED_ROWS_PER_LANE * knobs_value(sch, row_threads) else MAX_THREADS
+
+
 def schedule_ce_batch_stage(sch: s_tir.Schedule, reduction: str, threads: int = MAX_THREADS) -> None:
-    """Second kernel of cross entropy: one block sums the row losses and weights and
-    finds the first bad target, each thread striding over rows, then a warp-shuffle
-    reduction; thread 0 writes ``loss`` and ``first_bad_row``."""
+    """Second kernel of cross entropy: one block of ``threads`` lanes
+    (:func:`batch_threads`) sums the row losses and weights and finds the first bad
+    target, each thread striding over rows, then a warp-shuffle reduction; thread 0
+    writes ``loss`` and ``first_bad_row``."""
     if reduction == "none":
         one_block_reduce(sch, "first_bad_row", threads)
     else:
@@ -120,7 +136,7 @@ def one_block_reduce(
     With ``epilogues`` the result stays in shared memory and thread 0 runs each
     epilogue (the copies into the function's outputs). Where :func:`batch_chunks`
     cuts the rows, a first kernel of one block a chunk writes partials (an rfactor),
-    and the block reduces those."""
+    and the block reduces those, on as many lanes as the partials kernel has."""
     block = sch.get_sblock(name)
     unit, reduced = sch.get_loops(block)
     chunks = batch_chunks(int(sch.get(reduced).extent))
@@ -133,7 +149,8 @@ def one_block_reduce(
         sch.reorder(lane, serial)
         sch.bind(lane, "threadIdx.x")
         unit, reduced = sch.get_loops(block)
-        threads = min(threads, -(-chunks // WARP) * WARP)
+        # The partials kernel's lanes, so that single_launch runs this block in its last one.
+        threads = CHUNK_THREADS
     sch.bind(unit, "blockIdx.x")
     serial, lane = sch.split(reduced, [None, threads])
     sch.reorder(lane, serial)
@@ -162,11 +179,12 @@ def schedule_grad_prologue(sch: s_tir.Schedule, problem) -> None:
         one_block_reduce(sch, "weight_total")
 
 
-def schedule_grad_batch_stage(sch: s_tir.Schedule, problem) -> None:
-    """The fused gradient's last kernel: one block sums the row losses, thread 0
-    writes ``loss`` (over the denominator for the mean). Nothing for "none"."""
+def schedule_grad_batch_stage(sch: s_tir.Schedule, problem, threads: int = MAX_THREADS) -> None:
+    """The fused gradient's last kernel: one block of ``threads`` lanes
+    (:func:`batch_threads`) sums the row losses, thread 0 writes ``loss`` (over the
+    denominator for the mean). Nothing for "none"."""
     if problem.mode == "fused" and problem.reduction != "none":
-        one_block_reduce(sch, "batch", epilogues=("loss",))
+        one_block_reduce(sch, "batch", threads, epilogues=("loss",))
 
 
 def grad_map(
