@@ -126,12 +126,12 @@ DISPATCH_ORDER = {
     ("bn_forward", "cuda"): [
         "bn_forward_small_plane",
         "bn_forward_persistent",
+        "bn_forward_cluster_half_one_launch",
         "bn_forward_cluster_half",
         "bn_forward_grid_persistent",
         "bn_forward_grid_pipelined",
         "bn_forward_cluster",
         "bn_forward_cluster_quarter",
-        "bn_forward_cluster_half_one_launch",
         "bn_forward_cluster_rounds",
         "bn_forward_channels_last",
         "bn_forward_eval_channels_last",

@@ -71,13 +71,13 @@ def test_both_apply_and_are_preferred_on_the_resnet_planes(shape):
         # the runs' map first (faster on the five shapes the H200 timed), the flat one next
         assert applicable.index(names[1]) + 1 == applicable.index(names[0]), applicable
         # ... after the grid-wide persistent ones where they fill the SMs (training), and
-        # the forward's half-part clusters before those where an SM gets four tasks.
+        # the forward's one-launch clusters before those where an SM gets three tasks.
         grid = registry.get(f"{problem.op}_grid_persistent")
-        half = registry.get("bn_forward_cluster_half")
+        one = registry.get("bn_forward_cluster_half_one_launch")
         first = grid.name if grid.applies(problem) and grid.prefers(problem, CUDA) else names[1]
-        if half.op == problem.op and half.prefers(problem, CUDA):
-            first = half.name
-        assert first in ((grid.name, half.name) if problem.training else (names[1],))
+        if one.op == problem.op and one.prefers(problem, CUDA):
+            first = one.name
+        assert first in ((grid.name, one.name) if problem.training else (names[1],))
         assert registry.default_candidate(problem, CUDA).name == first
 
 

@@ -31,10 +31,11 @@ shape                  448     896     grid-wide  forward + backward (448, grid-
 =====================  ======  ======  =========  ======================================
 
 So 4-10% less where a channel has four tasks an SM or more, and 4% more on
-32x64x112x112 (512 tasks, 3.9 an SM) at 448 lanes: the default where the grid-wide
+32x64x112x112 (512 tasks, 3.9 an SM) at 448 lanes: preferred where the grid-wide
 kernel is and each SM gets at least ``MIN_TASKS_AN_SM`` tasks (``prefers``). Still 1.3x
 the forward's floor on the H100 (0.0892 ms against 0.0676); what the rest is, a profiler
-would have to say (no profiler on the host).
+would have to say (no profiler on the host). Since 2026-12-06 dispatch takes
+``bn_forward_cluster_half_one_launch`` ahead of it (faster on all four shapes above).
 """
 
 from __future__ import annotations
@@ -57,7 +58,9 @@ class BNForwardClusterHalf(BNForwardCluster):
     algorithm = "shifted_half_parts"
     lane_share = 2
 
+    min_tasks_an_sm = MIN_TASKS_AN_SM
+
     def prefers(self, problem, target: Target) -> bool:
         tasks = problem.channels * parts(problem, self.copies)
         return (not self.unsupported(target) and self.applies(problem) and fills_the_sms(problem, target, self.copies)
-                and tasks >= MIN_TASKS_AN_SM * sm_count(target))
+                and tasks >= self.min_tasks_an_sm * sm_count(target))
