@@ -127,7 +127,7 @@ def test_dispatch_builds_a_records_choice_with_todays_schedule(monkeypatch):
     today's schedule refuses its knobs."""
     from tvm_fusion import dispatch, registry
 
-    problem = tf.make_problem("bn_forward", (64, 256, 56, 56), "float16")
+    problem = tf.make_problem("bn_backward", (32, 64, 112, 112), "float16")  # a split-plane record
     choice = dispatch.choose(problem, CUDA)
     assert choice.source == "record" and choice.mod is not None
     assert launch_order.KEY not in choice.mod.script()  # tuned before the marks
