@@ -58,6 +58,7 @@ from .cuda import (  # noqa: F401
     cross_entropy_grad_window_in_shared,
     cross_entropy_online,
     cross_entropy_row_in_shared,
+    cross_entropy_split_row,
     cross_entropy_warp_per_row,
     cross_entropy_warp_per_row_padded,
 )
@@ -76,6 +77,7 @@ DISPATCH_ORDER = {
         "cross_entropy_warp_per_row",
         "cross_entropy_row_in_shared",
         "cross_entropy_online",
+        "cross_entropy_split_row",
         "cross_entropy_block_per_row",
     ],
     # Each candidate computes one mode (problem.mode): fused or from_lse.

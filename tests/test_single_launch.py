@@ -128,12 +128,18 @@ def launch(blocks, threads, store):
                          tirx.AttrStmt(thread, "thread_extent", threads, store(bx, tx)))
 
 
-@pytest.mark.parametrize("blocks, groups", [((8, 1, 1), [1, 2]), ((8, 1, 1, 1), [2, 2]), ((1, 8, 1), [1, 2]),
-                                            ((8, 16), [1, 1])])
-def test_pairs_merge_from_the_last_launch_and_never_overlap(blocks, groups):
-    """Launches of few blocks merge into the launch before them, taken from the end; a
-    merged launch is neither merged again nor run by another's last block. ``groups``:
-    how many of the launches each launch after the pass holds."""
+@pytest.mark.parametrize("blocks, tickets", [
+    ((8, 1, 1), [1]),        # the two one-block launches joined, then run by the 8 blocks' last
+    ((8, 1, 1, 1), [1]),     # three joined
+    ((1, 8, 1), [0, 1]),     # (8, 1) merged; the first launch stays: a merged launch is not merged again
+    ((8, 1, 16, 1), [1, 1]),  # two merged pairs
+    ((1, 1), [0]),           # joined, no ticket: the one block is the last
+    ((8, 16), [0, 0]),       # a second launch of more than MAX_SERIAL_BLOCKS blocks keeps its own
+])
+def test_pairs_merge_from_the_last_launch_and_never_overlap(blocks, tickets):
+    """Launches of few blocks merge into the launch before them, taken from the end, and
+    consecutive one-block launches join first; a merged launch is neither merged again
+    nor run by another's last block. ``tickets``: each launch's tickets after the pass."""
     bufs = [tirx.decl_buffer((64,), "float32", f"b{k}") for k in range(len(blocks))]
     counter = tirx.decl_buffer((1,), "int32", single_launch.COUNTER)
     stmts = [launch(blocks[0], 32, lambda bx, tx: tirx.BufferStore(bufs[0], tirx.Cast("float32", tx), [tx]))]
@@ -142,7 +148,12 @@ def test_pairs_merge_from_the_last_launch_and_never_overlap(blocks, groups):
                             lambda bx, tx, k=k: tirx.BufferStore(bufs[k], tirx.BufferLoad(bufs[k - 1], [tx]), [tx])))
     func = single_launch.merge_launch_pairs(tirx.PrimFunc([*bufs, counter], tirx.SeqStmt(stmts)))
     launches = list(func.body.seq) if isinstance(func.body, tirx.SeqStmt) else [func.body]
-    assert [s.script().count("atomicAdd") + 1 for s in launches] == groups
+    assert [s.script().count("atomicAdd") for s in launches] == tickets
+    scripts = [s.script() for s in launches]
+    for k in range(len(blocks)):  # each launch's store survives, once
+        assert sum(len(re.findall(rf"\bb{k}\[tx(_\d+)?\] = ", script)) for script in scripts) == 1, k
+    if blocks == (1, 1):  # joined: a barrier between the two bodies
+        assert "tvm_storage_sync" in scripts[0]
 
 
 # (shape, dtype, options, launches): the gradient's calls whose launches merge in pairs

@@ -19,7 +19,11 @@ reductions and before it splits host from device code:
 
 Every such pair of a function is merged, from the last launch backwards, the pairs
 apart: the cross entropy gradient's targets pass over many rows (partials, then one
-block) and its loss stage (the same) become two launches instead of four.
+block) and its loss stage (the same) become two launches instead of four. Before that,
+consecutive launches of one block each with the same thread extents are joined into one
+(the second body after the first and a barrier, no ticket), which may then be the
+second kernel of a pair (``cross_entropy_split_row``: a block a row part, then a fold
+block and a batch block, one launch).
 
 ``launch_counter`` is a zeroed int32 (1,) parameter that :func:`with_launch_counter`
 appends to ``main``; each API launcher passes one of its own per CUDA stream
@@ -165,15 +169,7 @@ def _merged(first_launch, second_launch, counter):
     grid = 1
     for _, _, extent in blocks1:
         grid *= extent
-    innermost = first_launch
-    while True:  # the first kernel's innermost body
-        body = innermost.body
-        tail = (list(body.seq) if isinstance(body, tirx.SeqStmt) else [body])[-1]
-        if _thread_attr(tail, "blockIdx") or _thread_attr(tail, "threadIdx"):
-            innermost = tail
-            continue
-        break
-    first_body = innermost.body
+    first_body = _innermost_body(first_launch)
     # A thread attribute below a nest (inside a loop or a branch) would be a lane the
     # ticket's lane-0 test does not see; a ticket already there (a merged launch) would
     # share the counter with this one.
@@ -205,6 +201,40 @@ def _merged(first_launch, second_launch, counter):
     return _replace_innermost(first_launch, merged_body)
 
 
+def _one_block(nest) -> bool:
+    return all(extent == 1 for _, _, extent in nest[0])
+
+
+def _concatenated(first_launch, second_launch):
+    """Two launches of one block each, with the same thread extents, as one: the
+    second's body after the first's and a barrier (which also makes the first's global
+    stores visible to the block), or None where that cannot be done. No ticket: the one
+    block is the last."""
+    first, second = _launch_nest(first_launch), _launch_nest(second_launch)
+    if first is None or second is None or not (_one_block(first) and _one_block(second)):
+        return None
+    (_, threads1, _), (_, threads2, inner2) = first, second
+    if [(t, e) for t, _, e in threads1] != [(t, e) for t, _, e in threads2]:
+        return None
+    first_body = _innermost_body(first_launch)
+    for script in (first_body.script(), inner2.body.script()):
+        if "launch_thread" in script or COUNTER in script:
+            return None
+    return _replace_innermost(first_launch, tirx.SeqStmt(
+        [first_body, _sync(), *_flatten_second(second_launch, threads1)]))
+
+
+def _innermost_body(launch):
+    """The statements under a launch nest's innermost thread attribute."""
+    innermost = launch
+    while True:
+        body = innermost.body
+        tail = (list(body.seq) if isinstance(body, tirx.SeqStmt) else [body])[-1]
+        if not (_thread_attr(tail, "blockIdx") or _thread_attr(tail, "threadIdx")):
+            return innermost.body
+        innermost = tail
+
+
 def merge_launch_pairs(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` with each kernel that can be run by the last block of the kernel before
     it merged into that one, or unchanged where none can. Pairs are taken from the last
@@ -218,9 +248,15 @@ def merge_launch_pairs(func: tirx.PrimFunc) -> tirx.PrimFunc:
     seq = list(top.seq) if isinstance(top, tirx.SeqStmt) else [top]
     merged_any, i = False, len(seq) - 2
     while i >= 0:
-        merged = None
-        if _thread_attr(seq[i], "blockIdx") and _thread_attr(seq[i + 1], "blockIdx"):
-            merged = _merged(seq[i], seq[i + 1], counter)
+        if not (_thread_attr(seq[i], "blockIdx") and _thread_attr(seq[i + 1], "blockIdx")):
+            i -= 1
+            continue
+        joined = _concatenated(seq[i], seq[i + 1])
+        if joined is not None:  # one block, no ticket: it may join or be merged again
+            seq[i:i + 2] = [joined]
+            merged_any, i = True, min(i, len(seq) - 2)
+            continue
+        merged = _merged(seq[i], seq[i + 1], counter)
         if merged is None:
             i -= 1
             continue

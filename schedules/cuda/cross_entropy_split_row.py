@@ -1,0 +1,119 @@
+"""Few rows: each row's online pass split across ``splits`` blocks, one launch.
+
+Pattern ``x(SSR) -> chunk (max, sumexp)(SS) -> part (max, sumexp)(SS) | (max, sumexp)(S)
+-> row_loss(S) -> loss``: the ``online`` decomposition with its chunk reduction cut by
+an rfactor. Kernel 1, grid (B x splits): block ``(i, s)`` walks part ``s`` of row
+``i``'s 16-byte chunks as ``cross_entropy_online`` walks a whole row (a 16-byte load a
+chunk into registers, the chunk's max and exps there, lanes combined by the online rule
+through shuffles) and writes the part's pair. Kernel 2, one block: a lane a row folds
+the row's ``splits`` pairs by the same rule and writes the row loss; kernel 3, one
+block: the batch. ``single_launch`` joins kernels 2 and 3 (one block each: a barrier
+between them) and hands them to kernel 1's last block: one launch.
+
+Why: with fewer rows than SMs a block a row leaves SMs idle, and one SM pulls a row at
+a fraction of the device's bandwidth. H200, CE 128x32000 fp16 (8.2 MB): 0.0078 ms
+under graph replay for ``cross_entropy_online`` at 1024 lanes, a block a row on 128 of
+132 SMs, against 0.0019 ms of copy at 4.2 TB/s (README results, rows of
+results/benchmarks.csv); 4x50257 fp16 (0.4 MB) took 7.1 us, 1x32000 fp32 6.0 us (rows
+"heuristic default" of the held-out grids, 2026-12-04), where issue 14 asks 1.5x an
+empty launch (about 1.3 us) under 1 MB. Cut into ``splits`` parts the same rows keep
+``B x splits`` blocks busy, each part read by one block at an SM's rate.
+
+Predicted: 128x32000 fp16 at 4 parts (512 blocks, 16 KB each) about 0.004 ms (the
+read at 60% of copy plus a launch); 4x50257 fp16 at 32 parts (128 blocks) about 2-3 us
+(the last block's fold of 4 rows and the fence are 1-2 us of it). Not yet run on a GPU:
+tuner-only (``prefers`` is False) until an A/B against ``cross_entropy_online`` and
+``cross_entropy_block_per_row`` on the shapes above.
+
+Applies to cross entropy (any reduction, weight and smoothing: the parts carry the
+online decomposition's extra sums) of at most ``MAX_ROWS`` rows, about two an SM, where
+a block a row stops filling the GPU; the fold runs a row a lane of one block.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from tvm_fusion.contracts import CrossEntropyProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, Knobs, register
+from tvm_fusion.targets import sm_count
+
+from ..common import lane_steps, outputs_to, unroll
+from .common import VECTOR_BYTES, chunks_at, schedule_ce_batch_stage
+
+ALGORITHM = "online"
+# Past about two rows an SM the row candidates fill the GPU (cross_entropy_online is
+# preferred from 2 x 132 rows on an H200); the fold runs a row a lane of one block.
+MAX_ROWS = 512
+SPLITS = [2, 4, 8, 16, 32, 64]
+BLOCKS_AN_SM = 4  # the default's aim: B x splits about this many blocks an SM
+
+
+@dataclass(frozen=True)
+class SplitRowKnobs(Knobs):
+    splits: int = 8
+    threads: int = 256
+    unroll: int = 16
+
+
+@register
+class CrossEntropySplitRow(Candidate):
+    name = "cross_entropy_split_row"
+    op = "cross_entropy"
+    target_kind = "cuda"
+    algorithm = ALGORITHM
+    knobs = SplitRowKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyProblem) -> bool:
+        return problem.op == self.op and problem.batch <= MAX_ROWS and self.chunks(problem) >= 2 * SPLITS[0]
+
+    def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
+        return False  # tuner only until a GPU A/B (docstring)
+
+    @staticmethod
+    def chunks(problem: CrossEntropyProblem) -> int:
+        """16-byte chunks a row."""
+        values = VECTOR_BYTES // DTYPE_BYTES[problem.dtype]
+        return -(-problem.classes // values)
+
+    def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
+        splits = [s for s in SPLITS if 2 * s <= self.chunks(problem)]
+        return {"splits": splits, "threads": [128, 256, 512], "unroll": [4, 16]}
+
+    def default_for(self, problem: CrossEntropyProblem, target: Target) -> SplitRowKnobs:
+        splits = [s for s in SPLITS if 2 * s <= self.chunks(problem)]
+        wanted = BLOCKS_AN_SM * sm_count(target) / problem.batch
+        fitting = [s for s in splits if s <= wanted]
+        split = fitting[-1] if fitting else splits[0]
+        per_part = -(-self.chunks(problem) // split)
+        threads = 128 if per_part <= 256 else 256
+        return SplitRowKnobs(splits=split, threads=threads, unroll=16)
+
+    def schedule(self, sch, problem: CrossEntropyProblem, knobs) -> None:
+        threads = knobs.threads
+        # Kernel 1: a block a (row, part), its chunks across the lanes.
+        online = sch.get_sblock("row_online")
+        _, chunk = sch.get_loops(online)
+        part, within = sch.split(chunk, [knobs.splits, None])
+        partial = sch.rfactor(part, 0)
+        row, part, within = sch.get_loops(partial)[:3]
+        sch.bind(sch.fuse(row, part), "blockIdx.x")
+        serial, at, _ = lane_steps(sch, within, threads)
+        unroll(sch, serial, knobs.unroll)
+        chunks_at(sch, at)
+        # Kernel 2, one block: a lane a row folds the row's parts and writes its loss.
+        online = sch.get_sblock("row_online")
+        row, _ = sch.get_loops(online)
+        sch.bind(sch.add_unit_loop(row), "blockIdx.x")
+        serial_rows, lane = sch.split(row, [None, threads])
+        sch.reorder(lane, serial_rows)
+        sch.bind(lane, "threadIdx.x")
+        outputs_to(sch, online, "local")
+        epilogue = sch.get_sblock("loss" if problem.reduction == "none" else "row_loss")
+        sch.reverse_compute_at(epilogue, serial_rows)
+        # Kernel 3, one block of the same lanes: the batch (the targets' check for "none").
+        schedule_ce_batch_stage(sch, problem.reduction, threads)

@@ -1,0 +1,112 @@
+"""cross_entropy_split_row: few rows, each row's online pass cut into parts across blocks,
+the fold and the batch run by the last block (one launch).
+
+Here: where it applies, its default parts, its CUDA (one kernel, one ticket, a block a
+(row, part), 16-byte loads of aligned rows, the parts' pairs in workspace buffers), every
+knob configuration and the tuner's sampled space build. On the GPU: against the float64
+reference on NaN-poisoned outputs, three calls on one launch counter (test_gpu's
+candidate sweep covers it on its cross entropy shapes too)."""
+
+import re
+
+import pytest
+
+import tvm_fusion as tf
+from helpers import has_gpu, torch_or_none
+from test_cuda_codegen import TICKET
+from tvm_fusion import registry, targets
+from tvm_fusion.codegen import cuda_report, nvcc_path
+from tvm_fusion.kernel import build_kernel
+from tvm_fusion.schedules.cuda import cross_entropy_split_row as split_row
+
+CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
+NAME = "cross_entropy_split_row"
+CANDIDATE = registry.get(NAME)
+torch = torch_or_none()
+
+CASES = [((128, 32000), "float16", {}), ((4, 50257), "float16", {}), ((1, 32000), "float32", {}),
+         ((128, 32000), "bfloat16", {"reduction": "none"}),
+         ((96, 5000), "float32", {"reduction": "sum", "weight": True, "label_smoothing": 0.1}),
+         ((512, 1001), "float16", {"reduction": "sum"})]
+
+
+def problem(shape, dtype, options):
+    return tf.make_problem("cross_entropy", shape, dtype, **options)
+
+
+def test_applies_to_few_rows_only_and_is_not_preferred():
+    assert CANDIDATE.applies(problem((split_row.MAX_ROWS, 1000), "float16", {}))
+    assert not CANDIDATE.applies(problem((split_row.MAX_ROWS + 1, 1000), "float16", {}))
+    assert not CANDIDATE.applies(problem((4, 24), "float16", {}))  # 3 chunks: no two parts of two
+    p = problem((128, 32000), "float16", {})
+    assert not CANDIDATE.prefers(p, CUDA) and tf.build("cross_entropy", (128, 32000), "float16",
+                                                       target=CUDA).candidate != NAME
+
+
+@pytest.mark.parametrize("shape, dtype, splits, threads", [
+    ((128, 32000), "float16", 4, 256),   # 512 blocks: about 4 an SM of 132
+    ((4, 50257), "float16", 64, 128),     # the most parts: 99 chunks a part
+    ((512, 1001), "float16", 2, 128),     # more rows than the aim: the fewest parts
+])
+def test_default_parts_aim_at_four_blocks_an_sm(shape, dtype, splits, threads):
+    knobs = CANDIDATE.default_for(problem(shape, dtype, {}), CUDA)
+    assert (knobs.splits, knobs.threads) == (splits, threads)
+
+
+@pytest.mark.parametrize("shape, dtype, options", CASES, ids=lambda c: str(c))
+def test_one_launch_a_block_a_part_then_the_last_block_folds(shape, dtype, options):
+    p = problem(shape, dtype, options)
+    kernel = build_kernel(p, CUDA, NAME)
+    source = kernel.device_source()
+    assert kernel.launches() == 1 and len(re.findall(TICKET, source)) == 1
+    blocks = int(re.search(r"launch_ticket == (\d+)\)", source).group(1)) + 1
+    assert blocks == shape[0] * kernel.knobs.splits
+    assert {name for name, _, _ in kernel.workspace} >= {"row_online_v0_rf", "row_online_v1_rf"}
+    own, _, last_block = source.partition("__threadfence();")
+    assert "__shfl_down_sync" in own, "a part's lanes combine through shuffles"
+    assert last_block.count("__syncthreads();") >= 1, "the fold, a barrier, then the batch"
+    if shape[1] * tf.contracts.common.DTYPE_BYTES[dtype] % 16 == 0:
+        assert re.search(r"\*\((uint4|float4)\*\)\(logits_ptr", own), "16-byte loads of aligned rows"
+
+
+@pytest.mark.parametrize("shape, dtype, options", CASES[:3], ids=lambda c: str(c))
+def test_every_knob_config_builds_as_one_launch(shape, dtype, options):
+    p = problem(shape, dtype, options)
+    for knobs in CANDIDATE.all_configs(p, CUDA):
+        assert build_kernel(p, CUDA, NAME, knobs).launches() == 1, knobs
+
+
+def test_tunable_space_builds():
+    import tvm
+    from tvm import s_tir
+
+    from tvm_fusion.compute import prim_func
+    from tvm_fusion.kernel import compiled_form
+
+    p = problem((128, 32000), "bfloat16", {})
+    for seed in (1, 2, 3):
+        sch = s_tir.Schedule(prim_func(p, CANDIDATE.algorithm), seed=seed)
+        CANDIDATE.apply_to(sch, p, CUDA, tunable=True)
+        with CUDA:
+            assert tvm.compile(compiled_form(sch.mod, p), target=CUDA) is not None
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
+def test_ptx_has_no_spills():
+    report = cuda_report(build_kernel(problem((128, 32000), "float16", {}), CUDA, NAME))
+    assert report.vector_loads > 0 and report.shuffles > 0
+    assert not any(report.spill_bytes.values()) and not any(report.stack_bytes.values()), report
+
+
+# -- on the GPU -----------------------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, dtype, options", CASES, ids=lambda c: str(c))
+def test_split_rows_match_float64_call_after_call(shape, dtype, options):
+    from test_gpu import assert_ce_kernel_correct, ce_data
+
+    p = problem(shape, dtype, options)
+    kernel = build_kernel(p, targets.resolve("cuda"), NAME)
+    for _ in range(3):  # one counter: each call's last block must reset it
+        ce_data.cache_clear()
+        assert_ce_kernel_correct(kernel, shape, tuple(sorted(options.items())), dtype)
