@@ -29,7 +29,7 @@ import tvm
 
 from helpers import (TOLERANCES, assert_close, candidate_params, check_compiles_without_spills, has_gpu, needs_nvcc,
                      np_dtype, random_floats, rng, run_poisoned, shipped_problems, torch_or_none)
-from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread
+from test_cuda_codegen import barriers_under_a_guard, kernel_params, shared_stores_by_every_thread, without_ticket
 from tvm_fusion import dispatch, registry, single_launch, targets, tuner
 from tvm_fusion.codegen import cuda_report, nvcc_path
 from tvm_fusion.compute import ALGORITHMS, algorithms_for, prim_func, problem_from_json, problem_of, problem_to_json
@@ -424,11 +424,6 @@ def row_kernel(source: str) -> str:
     return body.split("__threadfence();")[0]
 
 
-def only_launch_tickets(source: str) -> bool:
-    """Every atomic of ``source`` is single_launch's ticket."""
-    atomics = re.findall(r"atomic\w*\([^;]*;", source, re.IGNORECASE)
-    return all(a == "atomicAdd((&(launch_counter_ptr[0])), 1);" for a in atomics)
-
 
 def expects_shuffles(cand, problem) -> bool:
     """Shuffles come from a cross-thread reduction: the fused candidates' row statistics
@@ -470,7 +465,7 @@ def test_cuda_source_shows_the_strategy(problem, candidate):
     source = kernel.device_source()
     cand = registry.get(candidate)
     assert ("__shfl_down_sync" in source) == expects_shuffles(cand, problem)
-    assert only_launch_tickets(source)
+    assert "atomic" not in without_ticket(source).lower()  # single_launch's tickets only
     scratch = kernel_params(source) - {name for name, _, _ in kernel.params} - {single_launch.COUNTER}
     assert all(name.endswith("_rf") for name in scratch), "a kernel takes a scratch buffer"  # but chunk partials
     assert not barriers_under_a_guard(source)

@@ -35,6 +35,7 @@ leaves the counter unused.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -154,29 +155,34 @@ def _flatten_second(launch, threads):
                      tirx.SeqStmt([tirx.Bind(var, loop_var), *body, _sync()]))]
 
 
-def _merged(first_launch, second_launch, counter):
-    """The two launches as one, the second run by the last block of the first (the
-    module docstring says how), or None where that cannot be done."""
+def _pair(first_launch, second_launch):
+    """``(blocks of the first, its threads, blocks of the second, the first's innermost
+    body)`` where the two launches may become one, else None: both plain launch nests
+    with the same thread tags and extents, no thread attribute below either nest (a lane
+    the ticket's lane-0 test, or the barrier, would not see), and no ticket already in
+    either (a merged launch would share the counter)."""
     first, second = _launch_nest(first_launch), _launch_nest(second_launch)
     if first is None or second is None:
         return None
-    (blocks1, threads1, _), (blocks2, threads2, _) = first, second
+    (blocks1, threads1, _), (blocks2, threads2, inner2) = first, second
     if [(t, e) for t, _, e in threads1] != [(t, e) for t, _, e in threads2]:
         return None
+    first_body = _innermost_body(first_launch)
+    for script in (first_body.script(), inner2.body.script()):
+        if "launch_thread" in script or COUNTER in script:
+            return None
+    return blocks1, threads1, blocks2, first_body
+
+
+def _merged(first_launch, second_launch, pair, counter):
+    """The two launches (:func:`_pair`'s ``pair``) as one, the second run by the last
+    block of the first (the module docstring says how), or None where the second has
+    too many blocks."""
+    blocks1, threads1, blocks2, first_body = pair
     serial = [e for _, _, e in blocks2 if e > 1]
     if len(serial) > 1 or (serial and serial[0] > MAX_SERIAL_BLOCKS):
         return None
-    grid = 1
-    for _, _, extent in blocks1:
-        grid *= extent
-    first_body = _innermost_body(first_launch)
-    # A thread attribute below a nest (inside a loop or a branch) would be a lane the
-    # ticket's lane-0 test does not see; a ticket already there (a merged launch) would
-    # share the counter with this one.
-    for script in (first_body.script(), second[2].body.script()):
-        if "launch_thread" in script or COUNTER in script:
-            return None
-
+    grid = math.prod(extent for _, _, extent in blocks1)
     is_last = tirx.decl_buffer((1,), "int32", "launch_is_last", scope="shared")
     ticket = tirx.Var("launch_ticket", "int32")
     lane_zero = None
@@ -201,25 +207,14 @@ def _merged(first_launch, second_launch, counter):
     return _replace_innermost(first_launch, merged_body)
 
 
-def _one_block(nest) -> bool:
-    return all(extent == 1 for _, _, extent in nest[0])
-
-
-def _concatenated(first_launch, second_launch):
-    """Two launches of one block each, with the same thread extents, as one: the
-    second's body after the first's and a barrier (which also makes the first's global
-    stores visible to the block), or None where that cannot be done. No ticket: the one
+def _concatenated(first_launch, second_launch, pair):
+    """Two launches (:func:`_pair`'s ``pair``) of one block each as one: the second's
+    body after the first's and a barrier (which also makes the first's global stores
+    visible to the block), or None where either has more blocks. No ticket: the one
     block is the last."""
-    first, second = _launch_nest(first_launch), _launch_nest(second_launch)
-    if first is None or second is None or not (_one_block(first) and _one_block(second)):
+    blocks1, threads1, blocks2, first_body = pair
+    if any(extent != 1 for _, _, extent in (*blocks1, *blocks2)):
         return None
-    (_, threads1, _), (_, threads2, inner2) = first, second
-    if [(t, e) for t, _, e in threads1] != [(t, e) for t, _, e in threads2]:
-        return None
-    first_body = _innermost_body(first_launch)
-    for script in (first_body.script(), inner2.body.script()):
-        if "launch_thread" in script or COUNTER in script:
-            return None
     return _replace_innermost(first_launch, tirx.SeqStmt(
         [first_body, _sync(), *_flatten_second(second_launch, threads1)]))
 
@@ -246,23 +241,23 @@ def merge_launch_pairs(func: tirx.PrimFunc) -> tirx.PrimFunc:
         return func
     top = func.body
     seq = list(top.seq) if isinstance(top, tirx.SeqStmt) else [top]
-    merged_any, i = False, len(seq) - 2
+    launches, i = len(seq), len(seq) - 2
     while i >= 0:
-        if not (_thread_attr(seq[i], "blockIdx") and _thread_attr(seq[i + 1], "blockIdx")):
-            i -= 1
-            continue
-        joined = _concatenated(seq[i], seq[i + 1])
+        pair = None
+        if _thread_attr(seq[i], "blockIdx") and _thread_attr(seq[i + 1], "blockIdx"):
+            pair = _pair(seq[i], seq[i + 1])
+        joined = None if pair is None else _concatenated(seq[i], seq[i + 1], pair)
         if joined is not None:  # one block, no ticket: it may join or be merged again
             seq[i:i + 2] = [joined]
-            merged_any, i = True, min(i, len(seq) - 2)
+            i = min(i, len(seq) - 2)
             continue
-        merged = _merged(seq[i], seq[i + 1], counter)
+        merged = None if pair is None else _merged(seq[i], seq[i + 1], pair, counter)
         if merged is None:
             i -= 1
             continue
         seq[i:i + 2] = [merged]
-        merged_any, i = True, i - 2
-    if not merged_any:
+        i -= 2
+    if len(seq) == launches:
         return func
     return func.with_body(tirx.SeqStmt(seq) if len(seq) > 1 else seq[0])
 

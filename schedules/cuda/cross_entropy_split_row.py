@@ -36,13 +36,13 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
+from tvm_fusion.compute.primitives import granule
 from tvm_fusion.contracts import CrossEntropyProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 from tvm_fusion.targets import sm_count
 
 from ..common import lane_steps, outputs_to, unroll
-from .common import VECTOR_BYTES, chunks_at, schedule_ce_batch_stage
+from .common import chunks_at, schedule_ce_batch_stage
 
 ALGORITHM = "online"
 # Past about two rows an SM the row candidates fill the GPU (cross_entropy_online is
@@ -77,15 +77,14 @@ class CrossEntropySplitRow(Candidate):
     @staticmethod
     def chunks(problem: CrossEntropyProblem) -> int:
         """16-byte chunks a row."""
-        values = VECTOR_BYTES // DTYPE_BYTES[problem.dtype]
-        return -(-problem.classes // values)
+        return -(-problem.classes // granule(problem.dtype))
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
         splits = [s for s in SPLITS if 2 * s <= self.chunks(problem)]
         return {"splits": splits, "threads": [128, 256, 512], "unroll": [4, 16]}
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> SplitRowKnobs:
-        splits = [s for s in SPLITS if 2 * s <= self.chunks(problem)]
+        splits = self.choices(problem, target)["splits"]
         wanted = BLOCKS_AN_SM * sm_count(target) / problem.batch
         fitting = [s for s in splits if s <= wanted]
         split = fitting[-1] if fitting else splits[0]
@@ -109,9 +108,7 @@ class CrossEntropySplitRow(Candidate):
         online = sch.get_sblock("row_online")
         row, _ = sch.get_loops(online)
         sch.bind(sch.add_unit_loop(row), "blockIdx.x")
-        serial_rows, lane = sch.split(row, [None, threads])
-        sch.reorder(lane, serial_rows)
-        sch.bind(lane, "threadIdx.x")
+        serial_rows, _, _ = lane_steps(sch, row, threads)
         outputs_to(sch, online, "local")
         epilogue = sch.get_sblock("loss" if problem.reduction == "none" else "row_loss")
         sch.reverse_compute_at(epilogue, serial_rows)
