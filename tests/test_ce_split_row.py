@@ -63,17 +63,34 @@ def test_one_launch_a_block_a_part_then_the_last_block_folds(shape, dtype, optio
     assert blocks == shape[0] * kernel.knobs.splits
     assert {name for name, _, _ in kernel.workspace} >= {"row_online_v0_rf", "row_online_v1_rf"}
     own, _, last_block = source.partition("__threadfence();")
-    assert "__shfl_down_sync" in own, "a part's lanes combine through shuffles"
+    assert_lanes_reduce_across_threads(own)
     assert last_block.count("__syncthreads();") >= 1, "the fold, a barrier, then the batch"
     if shape[1] * tf.contracts.common.DTYPE_BYTES[dtype] % 16 == 0:
         assert re.search(r"\*\((uint4|float4)\*\)\(logits_ptr", own), "16-byte loads of aligned rows"
 
 
+def assert_lanes_reduce_across_threads(own: str) -> None:
+    """Kernel 1 (``own``: the source before the fence) reduces a part's chunks as a
+    cross-thread reduction: each lane's pair in registers, then shuffles, then one store
+    of the part's pair. Where TVM did not lower it (a part guarded by the row's end as
+    well as its own step, before ``split_online``), every lane read-modify-wrote the pair
+    in global memory with no shuffle: wrong losses on an H100 wherever the parts did not
+    divide the row's chunks."""
+    assert "in_thread_row_online_v0_rf" in own, "each lane's pair in registers first"
+    assert "__shfl_down_sync" in own, "a part's lanes combine through shuffles"
+    stores = re.findall(r"(?<!\w)row_online_v0_rf_ptr\[[^\]]*\] = ", own)
+    assert len(stores) == 1, f"one store of the part's pair, found {len(stores)}"
+
+
 @pytest.mark.parametrize("shape, dtype, options", CASES[:3], ids=lambda c: str(c))
 def test_every_knob_config_builds_as_one_launch(shape, dtype, options):
+    """(4, 50257) fp16 has 6283 chunks a row, which no split divides: the padded chunks
+    of ``split_online`` make every part exact."""
     p = problem(shape, dtype, options)
     for knobs in CANDIDATE.all_configs(p, CUDA):
-        assert build_kernel(p, CUDA, NAME, knobs).launches() == 1, knobs
+        kernel = build_kernel(p, CUDA, NAME, knobs)
+        assert kernel.launches() == 1, knobs
+        assert_lanes_reduce_across_threads(kernel.device_source().partition("__threadfence();")[0])
 
 
 def test_tunable_space_builds():

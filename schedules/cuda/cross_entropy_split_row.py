@@ -1,8 +1,9 @@
 """Few rows: each row's online pass split across ``splits`` blocks, one launch.
 
 Pattern ``x(SSR) -> chunk (max, sumexp)(SS) -> part (max, sumexp)(SS) | (max, sumexp)(S)
--> row_loss(S) -> loss``: the ``online`` decomposition with its chunk reduction cut by
-an rfactor. Kernel 1, grid (B x splits): block ``(i, s)`` walks part ``s`` of row
+-> row_loss(S) -> loss``: the ``split_online`` decomposition (``online`` over chunks
+padded to a multiple of 64, the padding masked) with its chunk reduction cut by an
+rfactor into exact parts. Kernel 1, grid (B x splits): block ``(i, s)`` walks part ``s`` of row
 ``i``'s 16-byte chunks as ``cross_entropy_online`` walks a whole row (a 16-byte load a
 chunk into registers, the chunk's max and exps there, lanes combined by the online rule
 through shuffles) and writes the part's pair. Kernel 2, one block: a lane a row folds
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
+from tvm_fusion.compute.cross_entropy import SPLIT_GRAIN
 from tvm_fusion.compute.primitives import granule
 from tvm_fusion.contracts import CrossEntropyProblem
 from tvm_fusion.registry import Candidate, Knobs, register
@@ -44,11 +46,11 @@ from tvm_fusion.targets import sm_count
 from ..common import lane_steps, outputs_to, unroll
 from .common import chunks_at, schedule_ce_batch_stage
 
-ALGORITHM = "online"
+ALGORITHM = "split_online"  # online over chunks padded to a multiple of 64: exact parts
 # Past about two rows an SM the row candidates fill the GPU (cross_entropy_online is
 # preferred from 2 x 132 rows on an H200); the fold runs a row a lane of one block.
 MAX_ROWS = 512
-SPLITS = [2, 4, 8, 16, 32, 64]
+SPLITS = [2 ** k for k in range(1, SPLIT_GRAIN.bit_length())]  # 2 to 64: each divides the padded chunks
 BLOCKS_AN_SM = 4  # the default's aim: B x splits about this many blocks an SM
 
 

@@ -55,6 +55,15 @@ Decompositions of the per-row log-sum-exp, as TE compute:
     ``cross_entropy_warp_per_row`` on 65536x1000 fp16: four LDG.128 per pass, each
     behind its own branch). Same float32 numerics as ``three_pass``.
 
+``split_online``  ``online`` over the row's chunks padded to a multiple of ``SPLIT_GRAIN``
+    (64): the padded chunks' values are all masked (-inf), so a padded chunk is
+    (lowest, 0), the online reducer's identity. Any split of the chunks into 2 to 64
+    parts (a power of two) is then exact, and a schedule that cuts each row's online
+    pass over blocks with an rfactor keeps one guard, the lanes' step within a part.
+    With the row's end guarded too, TVM's iterator-map detection no longer took the
+    partial block for a reduction, and the cross-thread reduction was never lowered
+    (schedules/cuda/cross_entropy_split_row.py). Same float32 numerics as ``online``.
+
 Then the batch stage (not for reduction="none"):
     4. (total, denom, first_bad) = (sum_i row_loss[i], sum_i w[t_i] [t_i valid], min bad row)
     5. loss = total / denom (mean) or total (sum)
@@ -91,8 +100,9 @@ from .primitives import (
     widen,
 )
 
-ALGORITHMS = ("three_pass", "online", "three_pass_poly_exp", "aligned_online", "padded_three_pass")
+ALGORITHMS = ("three_pass", "online", "three_pass_poly_exp", "aligned_online", "padded_three_pass", "split_online")
 PAD_LANES = 32  # padded_three_pass pads a row's granules to a multiple of a warp's lanes
+SPLIT_GRAIN = 64  # split_online pads a row's chunks to a multiple of this many (parts)
 
 
 def placeholders(problem, idx: str) -> tuple[te.Tensor, te.Tensor, te.Tensor | None]:
@@ -165,9 +175,11 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
         # registers), then one rescale per chunk: 1 + 2/chunk exp per element.
         chunk = 16 // DTYPE_BYTES[problem.dtype]
         chunks = (problem.classes + chunk - 1) // chunk
+        if algorithm == "split_online":
+            chunks = -(-chunks // SPLIT_GRAIN) * SPLIT_GRAIN
         v = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, chunk)), name="v")
         v2 = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, chunk)), name="v2")
-        ragged = problem.classes % chunk != 0
+        ragged = chunks * chunk != problem.classes
 
         def col(j, vv):
             return j * tirx.IntImm(idx, chunk) + vv
