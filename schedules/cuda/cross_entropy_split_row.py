@@ -21,10 +21,30 @@ empty launch (about 1.3 us) under 1 MB. Cut into ``splits`` parts the same rows 
 ``B x splits`` blocks busy, each part read by one block at an SM's rate.
 
 Predicted: 128x32000 fp16 at 4 parts (512 blocks, 16 KB each) about 0.004 ms (the
-read at 60% of copy plus a launch); 4x50257 fp16 at 32 parts (128 blocks) about 2-3 us
-(the last block's fold of 4 rows and the fence are 1-2 us of it). Not yet run on a GPU:
-tuner-only (``prefers`` is False) until an A/B against ``cross_entropy_online`` and
-``cross_entropy_block_per_row`` on the shapes above.
+read at 60% of copy plus a launch); 4x50257 fp16 at 32 parts (128 blocks) about 2-3 us.
+
+Measured (H100, copy 3018 GB/s, empty launch 0.92 us, graph replay, rows "probe:
+split_row A/B" of results/benchmarks.csv, 2026-12-06T02:08Z, the ``online`` version
+before ``split_online``; only configurations whose parts divided the chunks were right,
+the others are failed rows there):
+
+=====================  ==============  =====================  ==========================
+shape                  dispatch (us)   split_row default      best split_row
+=====================  ==============  =====================  ==========================
+CE 128x32000 fp16      8.11            8.84 (4 parts)         8.84
+CE 512x32000 fp16      17.25           17.11 (2)              17.11
+CE 256x128256 bf16     28.02           31.61 (2)              28.87 (4)
+CE 64x151936 bf16      17.66           **14.75** (8)          14.75
+CE 32x256000 bf16      24.63           **15.04** (16)         15.04
+CE 1x32000 fp32        4.53            8.48 (64)              5.42 (16)
+=====================  ==============  =====================  ==========================
+
+The prediction missed on 128x32000: more parts made it slower (16 parts 13.6 us, 32
+parts 19.2 us), so the SMs' count was not what held it at 8 us. It wins where rows are
+few and long (300-500 KB a row: 16-39% faster), and the fold in the last block costs
+more than it saves on one short row. Tuner-only (``prefers`` is False) until the
+``split_online`` version has run on a GPU; the rows above say where dispatch should then
+prefer it (few rows of 256 KB and more).
 
 Applies to cross entropy (any reduction, weight and smoothing: the parts carry the
 online decomposition's extra sums) of at most ``MAX_ROWS`` rows, about two an SM, where
