@@ -443,3 +443,30 @@ def test_tvm_compiles_a_grid_wide_barrier_for_a_cooperative_launch():
     write, sync, read = (body.index(s) for s in ("partial_ptr[((int)blockIdx.x)] =", "tvm_builtin_cuda_grid_sync();",
                                                  "partial_ptr[((((int)blockIdx.x) + 1) & 127)]"))
     assert write < sync < read
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
+def test_online_batch_puts_a_lanes_loads_in_straight_line_code():
+    """cross_entropy_online's ``batch``: CE 128x32000 fp16 at 1024 lanes is 4 steps a lane.
+    At batch 1 the PTX has one 16-byte load, in the rolled loop behind a branch; at batch
+    4 it has the four steps' loads, the first three with no branch between them, so they
+    can be in flight together (the module's docstring). Batch 1 is the CUDA of before."""
+    import subprocess
+    import tempfile
+
+    online = registry.get("cross_entropy_online")
+    problem = tf.make_problem("cross_entropy", (128, 32000), "float16")
+
+    def ptx(batch):
+        kernel = build_kernel(problem, CUDA, online.name, online.knobs(threads=1024, unroll=16, batch=batch))
+        with tempfile.TemporaryDirectory() as folder:
+            subprocess.run([nvcc_path(), "-arch=sm_90", "-ptx", "-O3", "-w", "-o", f"{folder}/k.ptx", "-x", "cu", "-"],
+                           input=kernel.device_source(), text=True, check=True, capture_output=True)
+            return open(f"{folder}/k.ptx").read()
+
+    loads = r"ld\.global\.nc\.v4\.u32"
+    rolled, batched = ptx(1), ptx(4)
+    assert len(re.findall(loads, rolled)) == 1
+    assert len(re.findall(loads, batched)) == 4
+    first, *_, third = [m.start() for m in re.finditer(loads, batched)][:3]
+    assert "bra" not in batched[first:third], "no branch between the first three steps' loads"

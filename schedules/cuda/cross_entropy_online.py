@@ -18,6 +18,18 @@ Exp count: 1 + 2/8 per element for 16-bit inputs (MUFU: about 4.2e12 exp/s on an
 H200 against 2.1e12 elements/s at full bandwidth).
 
 Not used: the per-element online combine (two exp per element, MUFU-bound).
+
+``batch`` (1: the rolled loop above) takes a lane's chunks ``batch`` a step, the batch
+loop unrolled, so that their 16-byte loads go out together. Why: with fewer rows than
+two an SM each SM runs one block, and a rolled loop has one load in flight a lane, the
+step's exps waiting on it. CE 128x32000 fp16 at 1024 lanes is 4 steps a lane: four
+round trips to HBM one after the other, 8.11 us under graph replay on an H100 where the
+read alone at copy speed is 2.7 us (rows "probe: split_row A/B" of
+results/benchmarks.csv, 2026-12-06). The PTX at batch 4 has the first three steps'
+``ld.global.nc.v4`` unguarded in straight-line code and the fourth behind its guard;
+at batch 1 one such load sits in a loop behind a branch. Predicted: the load phase of
+128x32000 from four round trips to two, about 6 us against 8.1. A tuning knob, not yet
+a default: not yet run on a GPU.
 """
 
 from __future__ import annotations
@@ -35,12 +47,14 @@ from ..common import single_thread
 from .common import MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, batch_threads, online_chunks, schedule_ce_batch_stage
 
 ONLINE_ROW_BYTES = 8192
+BATCHES = [1, 2, 4, 8]
 
 
 @dataclass(frozen=True)
 class OnlineKnobs(Knobs):
     threads: int = 256
     unroll: int = 16
+    batch: int = 1  # chunks a lane loads a step (module docstring)
 
 
 @register
@@ -62,7 +76,7 @@ class CrossEntropyOnline(Candidate):
                 and problem.batch >= 2 * sm_count(target))
 
     def choices(self, problem: CrossEntropyProblem, target: Target) -> dict[str, list[int]]:
-        return {"threads": [128, 256, 512, 1024], "unroll": [1, 4, 16]}
+        return {"threads": [128, 256, 512, 1024], "unroll": [1, 4, 16], "batch": BATCHES}
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> OnlineKnobs:
         chunk = VECTOR_BYTES // DTYPE_BYTES[problem.dtype]
@@ -76,7 +90,7 @@ class CrossEntropyOnline(Candidate):
         sch.bind(row, "blockIdx.x")
         # 2. Chunks across the lanes; each chunk reduced in registers.
         sch.compute_at(sch.get_sblock("row_online"), row, preserve_unit_loops=True)
-        online_chunks(sch, knobs.threads, knobs.unroll, "shared")
+        online_chunks(sch, knobs.threads, knobs.unroll, "shared", knobs.batch)  # batch 1: the CUDA as before it
         # 3. The scalar transform on one thread, then the batch kernel.
         single_thread(sch, epilogue, knobs.threads)
         schedule_ce_batch_stage(sch, problem.reduction, batch_threads(sch, problem.batch, knobs.threads))
