@@ -330,9 +330,9 @@ def counter_like(x: Any) -> Any:
     """The launch counter for a kernel whose first argument is ``x`` (a torch or TVM tensor)."""
     if isinstance(x, tvm_ffi.Tensor):
         return tvm_counter(x.device)
-    index = x.get_device()
+    index = max(x.get_device(), 0)
     get = _GETTERS.get(index)
     if get is None:
-        get = _GETTERS.setdefault(index, torch_counter(max(index, 0)))
+        get = _GETTERS.setdefault(index, torch_counter(index))
     return get()
 

@@ -90,11 +90,13 @@ def batch_threads(sch: s_tir.Schedule, rows: int, row_threads: Any) -> Any:
     return row_threads if rows <= MERGED_ROWS_PER_LANE * knobs_value(sch, row_threads) else MAX_THREADS
 
 
-def schedule_ce_batch_stage(sch: s_tir.Schedule, reduction: str, threads: int = MAX_THREADS) -> None:
-    """Second kernel of cross entropy: one block of ``threads`` lanes
-    (:func:`batch_threads`) sums the row losses and weights and finds the first bad
-    target, each thread striding over rows, then a warp-shuffle reduction; thread 0
-    writes ``loss`` and ``first_bad_row``."""
+def schedule_ce_batch_stage(sch: s_tir.Schedule, problem, row_threads: Any = None) -> None:
+    """Second kernel of cross entropy: one block sums the row losses and weights and
+    finds the first bad target, each thread striding over rows, then a warp-shuffle
+    reduction; thread 0 writes ``loss`` and ``first_bad_row``. Its lanes: MAX_THREADS,
+    or with ``row_threads`` (the row kernel's lanes) :func:`batch_threads`'s."""
+    reduction = problem.reduction
+    threads = MAX_THREADS if row_threads is None else batch_threads(sch, problem.batch, row_threads)
     if reduction == "none":
         one_block_reduce(sch, "first_bad_row", threads)
     else:
@@ -179,11 +181,12 @@ def schedule_grad_prologue(sch: s_tir.Schedule, problem) -> None:
         one_block_reduce(sch, "weight_total")
 
 
-def schedule_grad_batch_stage(sch: s_tir.Schedule, problem, threads: int = MAX_THREADS) -> None:
-    """The fused gradient's last kernel: one block of ``threads`` lanes
-    (:func:`batch_threads`) sums the row losses, thread 0 writes ``loss`` (over the
-    denominator for the mean). Nothing for "none"."""
+def schedule_grad_batch_stage(sch: s_tir.Schedule, problem, row_threads: Any = None) -> None:
+    """The fused gradient's last kernel: one block sums the row losses, thread 0 writes
+    ``loss`` (over the denominator for the mean), on the lanes
+    :func:`schedule_ce_batch_stage` takes. Nothing for "none"."""
     if problem.mode == "fused" and problem.reduction != "none":
+        threads = MAX_THREADS if row_threads is None else batch_threads(sch, problem.batch, row_threads)
         one_block_reduce(sch, "batch", threads, epilogues=("loss",))
 
 

@@ -74,7 +74,7 @@ from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import outputs_to, single_thread, unroll
-from .common import MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, batch_threads, chunks_at, schedule_ce_batch_stage
+from .common import MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, chunks_at, schedule_ce_batch_stage
 
 ALGORITHM = "aligned_online"
 # Rows shorter than this go to the warp and block candidates: the 22 scalar edge
@@ -161,7 +161,7 @@ class CrossEntropyAlignedRows(Candidate):
             # the edges on every thread (the guard is the row loss's own predicate).
             single_thread(sch, block, knobs.threads)
         # 5. The batch kernel.
-        schedule_ce_batch_stage(sch, problem.reduction, batch_threads(sch, problem.batch, knobs.threads))
+        schedule_ce_batch_stage(sch, problem, knobs.threads)
 
 
 def aligned_granules(sch, problem: CrossEntropyProblem, threads, batch) -> None:

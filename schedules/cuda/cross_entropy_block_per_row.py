@@ -31,8 +31,7 @@ from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import outputs_to, single_thread, thread_reduce
 from .common import (
-    MAX_THREADS, THREADS_BY_VECTORS, batch_threads, schedule_ce_batch_stage, spans_two_vectors, vector_choices,
-    widest_vector,
+    MAX_THREADS, THREADS_BY_VECTORS, schedule_ce_batch_stage, spans_two_vectors, vector_choices, widest_vector,
 )
 
 
@@ -84,4 +83,4 @@ class CrossEntropyBlockPerRow(Candidate):
         # 3. The scalar transform on one thread.
         single_thread(sch, epilogue, knobs.threads)
         # 4. The batch reduction kernel.
-        schedule_ce_batch_stage(sch, problem.reduction, batch_threads(sch, problem.batch, knobs.threads))
+        schedule_ce_batch_stage(sch, problem, knobs.threads)

@@ -39,7 +39,7 @@ from tvm_fusion.registry import Candidate, register
 
 from ..common import coefficients_at, outputs_to, row_loss_name, single_thread, thread_reduce
 from .cross_entropy_block_per_row import BlockPerRowKnobs, CrossEntropyBlockPerRow
-from .common import batch_threads, grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
+from .common import grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
 
 
 @register
@@ -78,4 +78,4 @@ class CrossEntropyGradBlockPerRow(Candidate):
         for name in ("lse", loss):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
         # Kernel 3: the loss.
-        schedule_grad_batch_stage(sch, problem, batch_threads(sch, problem.batch, knobs.threads))
+        schedule_grad_batch_stage(sch, problem, knobs.threads)

@@ -66,8 +66,8 @@ from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import coefficients_at, lanes_split, row_loss_name, single_thread
 from .common import (
-    batch_threads, grad_map, merge_grad_rows, online_chunks, reads_16_bytes, schedule_grad_batch_stage,
-    schedule_grad_prologue, widest_vector,
+    grad_map, merge_grad_rows, online_chunks, reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue,
+    widest_vector,
 )
 from .cross_entropy_row_in_shared import ROW_BYTES_MAX
 
@@ -128,7 +128,7 @@ class CrossEntropyGradHeadInShared(Candidate):
         for name in ("lse", row_loss_name(problem)):
             single_thread(sch, sch.get_sblock(name), threads)
         # Kernel 3: the loss.
-        schedule_grad_batch_stage(sch, problem, batch_threads(sch, problem.batch, threads))
+        schedule_grad_batch_stage(sch, problem, threads)
 
 
 __all__ = ["CrossEntropyGradHeadInShared", "HeadInSharedKnobs", "head_length"]

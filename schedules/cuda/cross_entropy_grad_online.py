@@ -109,8 +109,8 @@ from tvm_fusion.targets import sm_count
 
 from ..common import coefficients_at, row_loss_name, single_thread
 from .common import (
-    MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, batch_threads, grad_map, merge_grad_rows, online_chunks,
-    reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue, vector_choices, widest_vector,
+    MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, grad_map, merge_grad_rows, online_chunks, reads_16_bytes,
+    schedule_grad_batch_stage, schedule_grad_prologue, vector_choices, widest_vector,
 )
 from .cross_entropy_online import CrossEntropyOnline
 
@@ -201,4 +201,4 @@ class CrossEntropyGradOnline(Candidate):
         for name in ("lse", loss):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
         # Kernel 3: the loss.
-        schedule_grad_batch_stage(sch, problem, batch_threads(sch, problem.batch, knobs.threads))
+        schedule_grad_batch_stage(sch, problem, knobs.threads)

@@ -39,9 +39,7 @@ from tvm_fusion.targets import sm_count
 from ..common import (
     coefficients_at, lanes_split, outputs_to, read_index, row_loss_name, single_thread, thread_reduce,
 )
-from .common import (
-    batch_threads, grad_map, merge_grad_rows, reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue,
-)
+from .common import grad_map, merge_grad_rows, reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue
 from .cross_entropy_row_in_shared import CrossEntropyRowInShared, RowInSharedKnobs
 
 
@@ -109,4 +107,4 @@ class CrossEntropyGradRowInShared(Candidate):
         for name in ("lse", loss):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
         # Kernel 3: the loss.
-        schedule_grad_batch_stage(sch, problem, batch_threads(sch, problem.batch, knobs.threads))
+        schedule_grad_batch_stage(sch, problem, knobs.threads)

@@ -68,9 +68,7 @@ from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import Candidate, Knobs, register
 
 from ..common import coefficients_at, lanes_split, outputs_to, row_loss_name, single_thread, thread_reduce
-from .common import (
-    VECTOR_BYTES, batch_threads, grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue,
-)
+from .common import VECTOR_BYTES, grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
 from .cross_entropy_aligned_rows import unaligned_rows
 from .cross_entropy_row_in_shared import ROW_BYTES_MAX
 
@@ -140,4 +138,4 @@ class CrossEntropyGradWindowInShared(Candidate):
         for name in ("lse", row_loss_name(problem)):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
         # Kernel 3: the loss.
-        schedule_grad_batch_stage(sch, problem, batch_threads(sch, problem.batch, knobs.threads))
+        schedule_grad_batch_stage(sch, problem, knobs.threads)

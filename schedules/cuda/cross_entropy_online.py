@@ -44,7 +44,7 @@ from tvm_fusion.registry import Candidate, Knobs, ladder, register
 from tvm_fusion.targets import sm_count
 
 from ..common import single_thread
-from .common import MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, batch_threads, online_chunks, schedule_ce_batch_stage
+from .common import MAX_THREADS, THREADS_BY_VECTORS, VECTOR_BYTES, online_chunks, schedule_ce_batch_stage
 
 ONLINE_ROW_BYTES = 8192
 BATCHES = [1, 2, 4, 8]
@@ -93,4 +93,4 @@ class CrossEntropyOnline(Candidate):
         online_chunks(sch, knobs.threads, knobs.unroll, "shared", knobs.batch)  # batch 1: the CUDA as before it
         # 3. The scalar transform on one thread, then the batch kernel.
         single_thread(sch, epilogue, knobs.threads)
-        schedule_ce_batch_stage(sch, problem.reduction, batch_threads(sch, problem.batch, knobs.threads))
+        schedule_ce_batch_stage(sch, problem, knobs.threads)

@@ -32,8 +32,7 @@ from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import lanes_split, outputs_to, read_index, single_thread, thread_reduce
 from .common import (
-    MAX_THREADS, THREADS_BY_VECTORS, batch_threads, schedule_ce_batch_stage, spans_two_vectors, vector_choices,
-    widest_vector,
+    MAX_THREADS, THREADS_BY_VECTORS, schedule_ce_batch_stage, spans_two_vectors, vector_choices, widest_vector,
 )
 
 ROW_BYTES_MAX = 112 * 1024  # two blocks per SM (227 KB of shared memory on sm_90)
@@ -97,4 +96,4 @@ class CrossEntropyRowInShared(Candidate):
         sch.vectorize(vec)
         # 4. The scalar transform on one thread, then the batch kernel.
         single_thread(sch, epilogue, knobs.threads)
-        schedule_ce_batch_stage(sch, problem.reduction, batch_threads(sch, problem.batch, knobs.threads))
+        schedule_ce_batch_stage(sch, problem, knobs.threads)

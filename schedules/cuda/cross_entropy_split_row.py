@@ -135,4 +135,4 @@ class CrossEntropySplitRow(Candidate):
         epilogue = sch.get_sblock("loss" if problem.reduction == "none" else "row_loss")
         sch.reverse_compute_at(epilogue, serial_rows)
         # Kernel 3, one block of the same lanes: the batch (the targets' check for "none").
-        schedule_ce_batch_stage(sch, problem.reduction, threads)
+        schedule_ce_batch_stage(sch, problem, threads)

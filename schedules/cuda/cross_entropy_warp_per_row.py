@@ -72,7 +72,7 @@ class CrossEntropyWarpPerRow(Candidate):
         epilogue = warp_rows(sch, problem, knobs.rows, knobs.vector, knobs.unroll, "logits")
         # 3. Lane 0 writes the row loss.
         single_thread(sch, epilogue, WARP)
-        schedule_ce_batch_stage(sch, problem.reduction)
+        schedule_ce_batch_stage(sch, problem)
 
 
 def warp_rows(sch, problem: CrossEntropyProblem, rows, vector, unroll, staged: str):

@@ -91,4 +91,4 @@ class CrossEntropyWarpPerRowPadded(Candidate):
         sch.compute_inline(sch.get_sblock("granules"))
         # 3. Lane 0 writes the row loss.
         single_thread(sch, epilogue, WARP)
-        schedule_ce_batch_stage(sch, problem.reduction)
+        schedule_ce_batch_stage(sch, problem)
