@@ -19,15 +19,16 @@ H200 against 2.1e12 elements/s at full bandwidth).
 
 Not used: the per-element online combine (two exp per element, MUFU-bound).
 
-``batch`` (1: the rolled loop above) takes a lane's chunks ``batch`` a step, the batch
-loop unrolled, so that their 16-byte loads go out together. Why: with fewer rows than
-two an SM each SM runs one block, and a rolled loop has one load in flight a lane, the
-step's exps waiting on it. CE 128x32000 fp16 at 1024 lanes is 4 steps a lane: four
-round trips to HBM one after the other, 8.11 us under graph replay on an H100 where the
-read alone at copy speed is 2.7 us (rows "probe: split_row A/B" of
-results/benchmarks.csv, 2026-12-06). The PTX at batch 4 has the first three steps'
-``ld.global.nc.v4`` unguarded in straight-line code and the fourth behind its guard;
-at batch 1 one such load sits in a loop behind a branch. Predicted: the load phase of
+``batch`` (1: a chunk a step) takes a lane's chunks ``batch`` a step, the batch loop
+unrolled, so that their 16-byte loads go out together. Why: with fewer rows than two
+an SM each SM runs one block, and a lane's steps load one after the other, each step's
+exps waiting on its load. CE 128x32000 fp16 at 1024 lanes is 4 steps a lane: four round
+trips to HBM in a row, 8.11 us under graph replay on an H100 where the read alone at
+copy speed is 2.7 us (rows "probe: split_row A/B" of results/benchmarks.csv,
+2026-12-06). In the PTX as TVM compiles it (nvcc with fast math), batch 1's four steps
+are unrolled but each load sits behind its own branch, after the previous step's exps,
+so it cannot issue earlier; at batch 4 the first three steps' ``ld.global.nc.v4`` have
+no branch between them and the fourth is behind its guard. Predicted: the load phase of
 128x32000 from four round trips to two, about 6 us against 8.1. A tuning knob, not yet
 a default: not yet run on a GPU.
 """
