@@ -589,3 +589,66 @@ def test_the_ranking_orders_each_problem_and_the_scale_keeps_seconds(rows):
     assert list(np.argsort(predicted, kind="stable")) == list(order)
     measured = np.array([r.seconds for r in test])
     assert 0.5 < math.exp(np.mean(np.log(predicted / measured))) < 2.0  # the scale on a shape it learned
+
+
+def test_the_model_ranks_only_knob_values_it_was_trained_near_and_the_default(rows, tmp_path):
+    """A knob value no training row of the candidate has is a guess the trees make from
+    another candidate's knob of that name: the model ranks it only as the candidate's
+    default. A model file without ranges (written before they were kept) ranks as before."""
+    model = cost_model.CostModel.train(rows, CUDA)
+    online = registry.get("cross_entropy_online")
+    seen = model.knob_ranges["cross_entropy"]["cross_entropy_online"]
+    assert seen["batch"] == (1, 1)  # the shipped records predate the knob
+    problem = tf.make_problem("cross_entropy", (256, 128256), "bfloat16")  # no record of it ships
+    default = online.default_for(problem, CUDA)
+    ranked = [r.knobs for r in model.rank(problem, CUDA) if r.candidate == online.name]
+    assert ranked and all(k.batch == 1 for k in ranked)
+    assert all(model.trained_near("cross_entropy", online.name, k) or k == default for k in ranked)
+    assert sorted(map(str, ranked)) == sorted(str(k) for k in cost_model.thinned(
+        online, problem, CUDA, keep=lambda k: model.trained_near("cross_entropy", online.name, k)))
+    unseen = dataclasses.replace(default, threads=seen["threads"][1] * 2)
+    assert not model.trained_near("cross_entropy", online.name, unseen)
+    assert not model.trained_near("cross_entropy", "no_such_candidate", default)
+    # A default outside the ranges is still ranked: the heuristic's own pick.
+    narrow = cost_model.CostModel.train(rows, CUDA)
+    narrow.knob_ranges["cross_entropy"][online.name] = {"threads": (1, 1)}
+    assert [r.knobs for r in narrow.rank(problem, CUDA) if r.candidate == online.name] == [default]
+    # The ranges round-trip through the file; a file without them ranks every thinned one.
+    path = tmp_path / cost_model.model_file(CUDA)
+    model.save(path)
+    assert cost_model.CostModel.load(path).knob_ranges == model.knob_ranges
+    saved = json.loads(path.read_text())
+    for entry in saved["ops"].values():
+        del entry["knob_ranges"]
+    path.write_text(json.dumps(saved))
+    old = cost_model.CostModel.load(path)
+    assert old.knob_ranges == {}
+    assert sorted(str(r.knobs) for r in old.rank(problem, CUDA) if r.candidate == online.name) == sorted(
+        str(k) for k in cost_model.thinned(online, problem, CUDA))
+
+
+def test_the_shipped_models_ranges_are_its_training_rows_and_its_picks_lie_within_them():
+    """The shipped file's ranges are those of the rows it was trained on (the tuning logs
+    and the grids, its trained_on problems); its pick for LLM shapes nobody tuned is a
+    configuration of timed knob values: no cross_entropy_online batch other than 1,
+    which no row has (before the ranges it picked batch 8 on 52 of 240 such shapes)."""
+    path = cost_model.shipped_model(CUDA)
+    model = cost_model.load_cached(path)
+    every = cost_model.training_rows([records.SHIPPED, path.parent], CUDA)
+    for op, (schema, _) in model.models.items():
+        trained = set(model.trained_on[op])
+        op_rows = [r for r in every if r.problem.op == op and r.problem.key() in trained
+                   and r.candidate in schema.candidates]
+        assert {r.problem.key() for r in op_rows} == trained
+        assert model.knob_ranges[op] == cost_model.knob_ranges(op_rows)
+    records.invalidate()
+    for rows_, classes in [(64, 32000), (256, 128256), (4096, 128256), (32768, 32000), (1024, 151936)]:
+        for dtype in ("bfloat16", "float32"):
+            problem = tf.make_problem("cross_entropy", (rows_, classes), dtype)
+            choice = dispatch.choose(problem, CUDA)
+            if choice.source != "cost model":
+                continue
+            cand = registry.get(choice.candidate)
+            assert (model.trained_near("cross_entropy", choice.candidate, choice.knobs)
+                    or choice.knobs == cand.default_for(problem, CUDA)), (problem, choice)
+            assert getattr(choice.knobs, "batch", 1) == 1 or choice.candidate != "cross_entropy_online", choice

@@ -62,7 +62,7 @@ import math
 import os
 import pathlib
 import statistics
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 from tvm.target import Target
@@ -482,6 +482,8 @@ class CostModel:
         self.scales: dict[str, object] = {}  # op -> the Booster of a problem's mean
         self.calibration: dict[str, tuple[float, float]] = {}  # op -> (slope, intercept): score -> relative
         self.trained_on: dict[str, list[str]] = {}  # op -> the problem keys of its rows
+        # op -> candidate -> knob -> (lowest, highest) value in its rows (see knob_ranges)
+        self.knob_ranges: dict[str, dict[str, dict[str, tuple[int, int]]]] = {}
 
     @classmethod
     def train(cls, rows: Sequence[Row], target: Target) -> CostModel:
@@ -516,10 +518,15 @@ class CostModel:
                                 feature_names=list(schema.problem_features))
             model.scales[op] = xgb.train(SCALE_PARAMS, scale, num_boost_round=ROUNDS)
             model.trained_on[op] = sorted({r.problem.key() for r in op_rows})
+            model.knob_ranges[op] = knob_ranges(op_rows)
         return model
 
     def covers(self, op: str) -> bool:
         return op in self.models
+
+    def covers_candidate(self, op: str, cand: Candidate) -> bool:
+        """Whether the model of ``op`` has ``cand`` and its knobs among its features."""
+        return op in self.models and self.models[op][0].covers(cand)
 
     def predict_many(self, problem: Problem, configs: Sequence[tuple[str, Knobs]]) -> np.ndarray:
         """Predicted seconds of each (candidate, knobs) on ``problem``."""
@@ -551,13 +558,30 @@ class CostModel:
             return []
         schema, _ = self.models[problem.op]
         configs = [(cand.name, knobs) for cand in registry.applicable(problem, target) if schema.covers(cand)
-                   for knobs in thinned(cand, problem, target) if launches(problem, cand.name, knobs, target)]
+                   for knobs in thinned(cand, problem, target,
+                                        keep=lambda k, c=cand.name: self.trained_near(problem.op, c, k))
+                   if launches(problem, cand.name, knobs, target)]
         return _fastest_first(configs, self.predict_many(problem, configs)) if configs else []
+
+    def trained_near(self, op: str, candidate: str, knobs: Knobs) -> bool:
+        """Whether every knob of the configuration lies within the values the model was
+        trained on for ``candidate`` (:func:`knob_ranges`); True for a model file
+        without ranges (written before 2026-12-06), which ranks as before. The rank
+        keeps a candidate's default regardless (:func:`thinned`): it is the heuristic's
+        pick, and the grids time it (``bn_stats_channels_last``'s default takes vector
+        1 on channels of 2048, a value its product space lacks)."""
+        ranges = self.knob_ranges.get(op)
+        if ranges is None:
+            return True
+        seen = ranges.get(candidate)
+        return seen is not None and all(lo <= knobs.as_dict()[k] <= hi for k, (lo, hi) in seen.items()
+                                        if k in knobs.as_dict())
 
     # -- the file ---------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> str:
         ops = {op: {"problem_features": list(schema.problem_features), "candidates": list(schema.candidates),
                     "knobs": list(schema.knobs), "sms": schema.sms, "trained_on": self.trained_on.get(op, []),
+                    **({"knob_ranges": self.knob_ranges[op]} if op in self.knob_ranges else {}),
                     "booster": _packed(booster), "scale": _packed(self.scales[op]),
                     "calibration": list(self.calibration[op])}
                for op, (schema, booster) in self.models.items()}
@@ -581,7 +605,37 @@ class CostModel:
             model.scales[op] = _unpacked(entry["scale"])
             model.calibration[op] = tuple(entry["calibration"])
             model.trained_on[op] = list(entry["trained_on"])
+            if "knob_ranges" in entry:
+                model.knob_ranges[op] = {c: {k: (lo, hi) for k, (lo, hi) in knobs.items()}
+                                         for c, knobs in entry["knob_ranges"].items()}
         return model
+
+
+def knob_ranges(rows: Sequence[Row]) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per candidate of ``rows``, per knob, the lowest and highest value timed.
+
+    The model ranks only configurations inside these ranges (:meth:`CostModel.rank`): a
+    knob value it never saw timed for a candidate is a guess the trees make from other
+    candidates' knobs of the same name. Seen 2026-12-06: ``cross_entropy_online`` gained
+    ``batch`` (1, 2, 4, 8) after the shipped model was trained, its rows all at 1, and the
+    model ranked its ``batch`` from ``cross_entropy_aligned_rows``' knob of that name: on
+    240 untuned shapes (V 1000 to 256000, 1 to 32768 rows, three dtypes) it picked
+    ``cross_entropy_online`` at batch 8 for 52 (32768x32000 at 128 lanes and unroll 4, a
+    configuration no GPU had run), and 68 picks differed from the model's before the
+    knob. The knob is not safe to guess: on 16384x50257 bf16 at 1024 lanes batch 4 took
+    0.820 ms against 0.643 at batch 1 (H100, "probe: online batch A/B" rows of
+    results/benchmarks.csv, 2026-12-06). With the ranges, the picks on those shapes are
+    the model's before the knob on 227 of 240; the 13 others differ because the space is
+    thinned after the ranges now (a configuration the model never saw no longer takes a
+    sample's place). A range, not the set of values: ``bn_stats_channels_last`` sizes its
+    splits to the shape, values between the timed ones."""
+    ranges: dict[str, dict[str, tuple[int, int]]] = {}
+    for row in rows:
+        seen = ranges.setdefault(row.candidate, {})
+        for knob, value in row.knobs.as_dict().items():
+            lo, hi = seen.get(knob, (value, value))
+            seen[knob] = (min(lo, value), max(hi, value))
+    return ranges
 
 
 def _packed(booster) -> str:
@@ -607,7 +661,8 @@ def pick(ranked: Sequence[Ranked]) -> Ranked:
     return ranked[0]
 
 
-def thinned(cand: Candidate, problem: Problem, target: Target, limit: int | None = None) -> list[Knobs]:
+def thinned(cand: Candidate, problem: Problem, target: Target, limit: int | None = None,
+            keep: Callable[[Knobs], bool] | None = None) -> list[Knobs]:
     """``cand``'s configurations on ``problem``, at most ``limit`` (default
     ``MAX_CONFIGS``) of its space, and always its default: a larger space is sampled at
     evenly spaced positions, with the default in place of the sample nearest to it when
@@ -621,16 +676,21 @@ def thinned(cand: Candidate, problem: Problem, target: Target, limit: int | None
 
     A quarter of ``limit`` (2 of 8) goes to the candidate's ``near_default``
     configurations, taken in its order, ahead of the evenly spaced samples; they come
-    last. Only the channels-last candidates name any (their default with fewer splits)."""
+    last. Only the channels-last candidates name any (their default with fewer splits).
+
+    ``keep``: the configurations to sample from (the default is kept regardless), applied
+    before the sampling (:meth:`CostModel.rank` keeps those a model was trained near)."""
     limit = MAX_CONFIGS if limit is None else limit
     default = cand.default_for(problem, target)
     if limit == 1:
         return [default]
+    if keep is None:
+        keep = lambda knobs: True  # noqa: E731
     near = []
     for knobs in cand.near_default(problem, target):
-        if len(near) < limit // 4 and knobs != default and knobs not in near:
+        if len(near) < limit // 4 and knobs != default and knobs not in near and keep(knobs):
             near.append(knobs)
-    configs = [k for k in cand.all_configs(problem, target) if k not in near]
+    configs = [k for k in cand.all_configs(problem, target) if k not in near and (k == default or keep(k))]
     limit -= len(near)
     if default not in configs:
         return _evenly(configs, limit) + [default] + near

@@ -29,8 +29,37 @@ copy speed is 2.7 us (rows "probe: split_row A/B" of results/benchmarks.csv,
 are unrolled but each load sits behind its own branch, after the previous step's exps,
 so it cannot issue earlier; at batch 4 the first three steps' ``ld.global.nc.v4`` have
 no branch between them and the fourth is behind its guard. Predicted: the load phase of
-128x32000 from four round trips to two, about 6 us against 8.1. A tuning knob, not yet
-a default: not yet run on a GPU.
+128x32000 from four round trips to two, about 6 us against 8.1.
+
+Measured (H100, copy 3041 GB/s, rows "probe: online batch A/B" of results/benchmarks.csv,
+2026-12-06T04:14-04:15Z, each kernel checked against float64 on NaN-poisoned outputs), us:
+
+======================  ================  ==============  ==============  ===============
+shape                   dispatch          default lanes   1024 lanes      best
+                                          b1 / b4 / b8    b1 / b4 / b8
+======================  ================  ==============  ==============  ===============
+CE 128x32000 fp16       8.02              11.50 / 9.12    8.34 / 8.37     dispatch
+                                          / 8.62 (256)    / 8.39
+CE 512x32000 fp16       16.79             16.78 / 15.95   19.05 / 19.27   256, b8: 15.85
+                                          / 15.85 (256)   / 19.29
+CE 256x128256 bf16      27.80             29.32 / 27.03   27.61 / 27.63   512, b8: 26.76
+                                          / 26.76 (512)   / 27.78
+CE 4096x32000 fp16      91.31             91.31 / 89.36   105.77 / 101.46 256, b4: 89.36
+                                          / 91.24 (256)   / 101.43
+CE 16384x50257 bf16     635.03 (aligned)  577.14 / 601.23 643.45 / 819.86 512, b8: 572.35
+                                          / 572.35 (512)  / 586.78
+======================  ================  ==============  ==============  ===============
+
+The prediction missed: at 1024 lanes, where 128x32000 has four steps a lane, batch 4 and
+8 change nothing (8.37, 8.39 against 8.34), so the four loads one after the other are
+not what holds it at 8 us. At 256 or 512 lanes (16 steps and more) batch 8 gains 1-25%
+(128x32000 11.50 to 8.62, 256x128256 29.32 to 26.76), never past the best of the lanes'
+choice; at 1024 lanes on 16384x50257 batch 4 was 27% slower (819.86 against 643.45).
+So it stays a tuning knob, default 1, and the shipped cost model, trained before it, ranks
+only batch 1 (``cost_model.knob_ranges``). On this H100, 16384x50257 bf16 at 512 lanes
+(572 us, 94.6% of copy) beats dispatch's record (``cross_entropy_aligned_rows`` at 128
+threads, 635 us), a record timed on an H200 (0.396 ms there, 98.7% of copy): the shipped
+logs serve both cards (``cuda_sm_90``).
 """
 
 from __future__ import annotations
