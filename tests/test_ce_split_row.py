@@ -1,7 +1,7 @@
 """cross_entropy_split_row: few rows, each row's online pass cut into parts across blocks,
 the fold and the batch run by the last block (one launch).
 
-Here: where it applies, its default parts, its CUDA (one kernel, one ticket, a block a
+Here: where it applies and dispatch prefers it, its default parts, its CUDA (one kernel, one ticket, a block a
 (row, part), 16-byte loads of aligned rows, the parts' pairs in workspace buffers), every
 knob configuration and the tuner's sampled space build. On the GPU: against the float64
 reference on NaN-poisoned outputs, three calls on one launch counter (test_gpu's
@@ -14,7 +14,7 @@ import pytest
 import tvm_fusion as tf
 from helpers import has_gpu, torch_or_none
 from test_cuda_codegen import TICKET
-from tvm_fusion import registry, targets
+from tvm_fusion import dispatch, registry, targets
 from tvm_fusion.codegen import cuda_report, nvcc_path
 from tvm_fusion.kernel import build_kernel
 from tvm_fusion.schedules.cuda import cross_entropy_split_row as split_row
@@ -34,21 +34,46 @@ def problem(shape, dtype, options):
     return tf.make_problem("cross_entropy", shape, dtype, **options)
 
 
-def test_applies_to_few_rows_only_and_is_not_preferred():
+def test_applies_to_few_rows_only():
     assert CANDIDATE.applies(problem((split_row.MAX_ROWS, 1000), "float16", {}))
     assert not CANDIDATE.applies(problem((split_row.MAX_ROWS + 1, 1000), "float16", {}))
     assert not CANDIDATE.applies(problem((4, 24), "float16", {}))  # 3 chunks: no two parts of two
-    p = problem((128, 32000), "float16", {})
-    assert not CANDIDATE.prefers(p, CUDA) and tf.build("cross_entropy", (128, 32000), "float16",
-                                                       target=CUDA).candidate != NAME
+
+
+@pytest.mark.parametrize("shape, dtype, preferred", [
+    ((16, 128256), "bfloat16", True),    # H100: 7.73 us against 10.62 for the pick before
+    ((64, 151936), "bfloat16", True),    # 14.51 against 17.73
+    ((8, 256000), "bfloat16", True),     # 9.11 against 24.74
+    ((1, 128256), "float32", True),      # 501 KiB: parts of 32 KiB, the rule's one row
+    ((66, 128256), "bfloat16", True),    # half a row an SM of 132
+    ((67, 128256), "bfloat16", False),   # more rows: a block a row fills more of the GPU
+    ((128, 151936), "bfloat16", False),  # 21.34 against 20.19: loses
+    ((128, 32000), "float16", False),    # 64 KB rows: loses at every split
+    ((4, 50257), "float16", False),      # 98 KiB rows
+    ((1, 32000), "float32", False),      # 125 KiB: loses at every split
+])
+def test_dispatch_prefers_it_for_few_rows_of_250_kib_and_more_over_the_cost_model(shape, dtype, preferred):
+    """Preferred where the H100 A/B found it faster (the module's table), and dispatch
+    takes it there although the shipped cost model, trained before it, ranks others."""
+    p = problem(shape, dtype, {})
+    assert CANDIDATE.prefers(p, CUDA) == preferred
+    choice = dispatch.choose(p, CUDA)
+    assert (choice.candidate == NAME) == preferred, choice
+    if preferred:
+        assert choice.source == "heuristic" and "trained without cross_entropy_split_row" in choice.reason
+        assert choice.knobs == CANDIDATE.default_for(p, CUDA)
+        assert tf.build("cross_entropy", shape, dtype, target=CUDA).candidate == NAME
 
 
 @pytest.mark.parametrize("shape, dtype, splits, threads", [
-    ((128, 32000), "float16", 4, 256),   # 512 blocks: about 4 an SM of 132
-    ((4, 50257), "float16", 64, 128),     # the most parts: 99 chunks a part
-    ((512, 1001), "float16", 2, 128),     # more rows than the aim: the fewest parts
+    ((16, 128256), "bfloat16", 8, 256),   # 250 KiB: 8 parts of 31 KiB, the A/B's best
+    ((64, 151936), "bfloat16", 8, 256),   # 297 KiB: 8 (37 KiB), the best; 16 parts 13% slower
+    ((32, 256000), "bfloat16", 16, 256),  # 500 KiB: 16 (31 KiB), the best
+    ((8, 256000), "bfloat16", 16, 256),   # the best; 32 parts 4% slower
+    ((4, 50257), "float16", 4, 256),      # 98 KiB: 4 parts of 25 KiB (not preferred)
+    ((512, 1001), "float16", 2, 128),     # a short row: the fewest parts
 ])
-def test_default_parts_aim_at_four_blocks_an_sm(shape, dtype, splits, threads):
+def test_default_parts_hold_about_32_kib(shape, dtype, splits, threads):
     knobs = CANDIDATE.default_for(problem(shape, dtype, {}), CUDA)
     assert (knobs.splits, knobs.threads) == (splits, threads)
 

@@ -6,7 +6,9 @@ knobs reapplied to these options), else, when a cost-model file lies beside the
 target's logs in a searched folder (``cost_model_<target key>.json``, see
 :mod:`tvm_fusion.cost_model`), its fastest predicted candidate and knobs, else the
 registry's heuristic: the first applicable candidate in ``DISPATCH_ORDER`` that
-prefers the shape, default knobs.
+prefers the shape, default knobs. The heuristic also goes before the cost model where
+its pick is a candidate the model was trained without, which it cannot rank:
+``cross_entropy_split_row`` on few long rows, measured after the shipped model.
 
 Whichever way it was chosen, the kernel is the candidate's schedule of today at the
 chosen knobs: a record names the candidate and knobs and times them, but its module
@@ -125,14 +127,19 @@ def _choose(problem: Problem, target: Target, log_dir: str | os.PathLike | None)
             return Choice(found.candidate, found.knobs, "record (default options)",
                           f"tuning record of the same shape with default options in {found.path} "
                           f"({found.seconds * 1e3:.4f} ms); its candidate and knobs reapplied")
+    cand = registry.default_candidate(problem, target)
+    names = [c.name for c in registry.applicable(problem, target)]
+    heuristic = (f"no tuning record; first of the applicable candidates {names} in dispatch "
+                 f"order that prefers this shape, with its default knobs")
+    found = cost_model.find(target, log_dir)
+    if found is not None and found[1].covers(problem.op) and not found[1].covers_candidate(problem.op, cand):
+        # The heuristic's pick is newer than the model, which cannot rank it against the rest.
+        return Choice(cand.name, cand.default_for(problem, target), "heuristic",
+                      f"{heuristic}; the cost model in {found[0]} was trained without {cand.name}")
     predicted = _cost_model_choice(problem, target, log_dir)
     if predicted is not None:
         return predicted
-    cand = registry.default_candidate(problem, target)
-    names = [c.name for c in registry.applicable(problem, target)]
-    return Choice(cand.name, cand.default_for(problem, target), "heuristic",
-                  f"no tuning record; first of the applicable candidates {names} in dispatch "
-                  f"order that prefers this shape, with its default knobs")
+    return Choice(cand.name, cand.default_for(problem, target), "heuristic", heuristic)
 
 
 def _cost_model_choice(problem: Problem, target: Target, log_dir: str | os.PathLike | None) -> Choice | None:

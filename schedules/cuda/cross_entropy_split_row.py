@@ -23,28 +23,39 @@ empty launch (about 1.3 us) under 1 MB. Cut into ``splits`` parts the same rows 
 Predicted: 128x32000 fp16 at 4 parts (512 blocks, 16 KB each) about 0.004 ms (the
 read at 60% of copy plus a launch); 4x50257 fp16 at 32 parts (128 blocks) about 2-3 us.
 
-Measured (H100, copy 3018 GB/s, empty launch 0.92 us, graph replay, rows "probe:
-split_row A/B" of results/benchmarks.csv, 2026-12-06T02:08Z, the ``online`` version
-before ``split_online``; only configurations whose parts divided the chunks were right,
-the others are failed rows there):
+Measured before ``split_online`` (H100, copy 3018 GB/s, rows "probe: split_row A/B" of
+results/benchmarks.csv, 2026-12-06T02:08Z): wrong losses wherever the parts did not divide
+the chunks; the prediction above missed on 128x32000 (16 parts 13.6 us, 32 parts 19.2).
 
-=====================  ==============  =====================  ==========================
-shape                  dispatch (us)   split_row default      best split_row
-=====================  ==============  =====================  ==========================
-CE 128x32000 fp16      8.11            8.84 (4 parts)         8.84
-CE 512x32000 fp16      17.25           17.11 (2)              17.11
-CE 256x128256 bf16     28.02           31.61 (2)              28.87 (4)
-CE 64x151936 bf16      17.66           **14.75** (8)          14.75
-CE 32x256000 bf16      24.63           **15.04** (16)         15.04
-CE 1x32000 fp32        4.53            8.48 (64)              5.42 (16)
-=====================  ==============  =====================  ==========================
+Measured with ``split_online`` (H100, copy 3041 GB/s, empty launch 0.92 us, graph replay,
+the same rows at 2026-12-06T04:12-04:13Z, 52a6bda; every configuration of 2 to 64 parts checked
+against float64 on NaN-poisoned outputs first: none wrong), us:
 
-The prediction missed on 128x32000: more parts made it slower (16 parts 13.6 us, 32
-parts 19.2 us), so the SMs' count was not what held it at 8 us. It wins where rows are
-few and long (300-500 KB a row: 16-39% faster), and the fold in the last block costs
-more than it saves on one short row. Tuner-only (``prefers`` is False) until the
-``split_online`` version has run on a GPU; the rows above say where dispatch should then
-prefer it (few rows of 256 KB and more).
+=====================  ==================  ==========================  ================
+shape (row bytes)      dispatch then       split_row, parts: us        parts ~32 KiB
+=====================  ==================  ==========================  ================
+CE 16x128256 bf16      10.62 (online)      4: 9.75, 8: 7.73, 16: 8.24  8: **7.73**
+(250 KiB)
+CE 64x151936 bf16      17.73 (online)      4: 17.09, 8: 14.51,         8: **14.51**
+(297 KiB)                                  16: 16.38
+CE 32x256000 bf16      24.82 (online)      8: 15.96, 16: 14.95,        16: **14.95**
+(500 KiB)                                  32: 16.47
+CE 8x256000 bf16       24.74 (block a row) 8: 10.20, 16: 9.11,         16: **9.11**
+(500 KiB)                                  32: 9.51
+CE 128x151936 bf16     20.19 (online)      4: 21.34, 8: 21.38          loses (128 rows)
+CE 128x32000 fp16      8.01 (online)       2: 9.52, 4: 8.87            loses
+CE 4x50257 fp16        7.07 (aligned)      4: 7.89, 8: 6.55, 16: 6.93  (98 KiB row)
+CE 1x32000 fp32        4.53 (block a row)  8: 5.82, 16: 5.51           loses (125 KiB)
+=====================  ==================  ==========================  ================
+
+So a part wants about 32 KiB (``PART_BYTES``): the best split on every row of 250 KiB and
+more, 8 to 16 parts. Dispatch prefers it from rows of 240 KiB for at most ``sm_count / 2`` rows
+(``prefers``): 18-63% faster on the four such shapes; with 128 rows a block a row
+already fills the SMs (128x151936 loses 6%), and on shorter rows the fold in the
+last block costs about what the split saves (4x50257: 7% faster at 8 parts, 12% slower
+at 4; 1x32000 fp32 slower at every split). The shipped cost model was trained before
+this candidate and cannot rank it, so dispatch takes this pick over the model's
+(``dispatch._choose``). Not measured on an H200.
 
 Applies to cross entropy (any reduction, weight and smoothing: the parts carry the
 online decomposition's extra sums) of at most ``MAX_ROWS`` rows, about two an SM, where
@@ -53,6 +64,7 @@ a block a row stops filling the GPU; the fold runs a row a lane of one block.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tvm.target import Target
@@ -60,6 +72,7 @@ from tvm.target import Target
 from tvm_fusion.compute.cross_entropy import SPLIT_GRAIN
 from tvm_fusion.compute.primitives import granule
 from tvm_fusion.contracts import CrossEntropyProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
 from tvm_fusion.targets import sm_count
 
@@ -71,7 +84,9 @@ ALGORITHM = "split_online"  # online over chunks padded to a multiple of 64: exa
 # preferred from 2 x 132 rows on an H200); the fold runs a row a lane of one block.
 MAX_ROWS = 512
 SPLITS = [2 ** k for k in range(1, SPLIT_GRAIN.bit_length())]  # 2 to 64: each divides the padded chunks
-BLOCKS_AN_SM = 4  # the default's aim: B x splits about this many blocks an SM
+PART_BYTES = 32 * 1024  # the default's part: the best split of every row of 256 KB and more (docstring)
+PREFERRED_ROW_BYTES = 240 * 1024  # dispatch prefers it from rows of 240 KiB (128256 bf16: 250.5) ...
+ROWS_AN_SM = 0.5  # ... for at most half a row an SM (66 rows on 132 SMs)
 
 
 @dataclass(frozen=True)
@@ -94,7 +109,13 @@ class CrossEntropySplitRow(Candidate):
         return problem.op == self.op and problem.batch <= MAX_ROWS and self.chunks(problem) >= 2 * SPLITS[0]
 
     def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
-        return False  # tuner only until a GPU A/B (docstring)
+        # H100, 2026-12-06 (docstring): 18-63% faster on 8 to 64 rows of 250-500 KiB.
+        return (problem.batch <= ROWS_AN_SM * sm_count(target)
+                and self.row_bytes(problem) >= PREFERRED_ROW_BYTES)
+
+    @staticmethod
+    def row_bytes(problem: CrossEntropyProblem) -> int:
+        return problem.classes * DTYPE_BYTES[problem.dtype]
 
     @staticmethod
     def chunks(problem: CrossEntropyProblem) -> int:
@@ -106,10 +127,10 @@ class CrossEntropySplitRow(Candidate):
         return {"splits": splits, "threads": [128, 256, 512], "unroll": [4, 16]}
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> SplitRowKnobs:
+        # The split whose parts are nearest PART_BYTES, nearest by ratio (log2).
         splits = self.choices(problem, target)["splits"]
-        wanted = BLOCKS_AN_SM * sm_count(target) / problem.batch
-        fitting = [s for s in splits if s <= wanted]
-        split = fitting[-1] if fitting else splits[0]
+        wanted = math.log2(max(1.0, self.row_bytes(problem) / PART_BYTES))
+        split = min(splits, key=lambda s: (abs(math.log2(s) - wanted), s))
         per_part = -(-self.chunks(problem) // split)
         threads = 128 if per_part <= 256 else 256
         return SplitRowKnobs(splits=split, threads=threads, unroll=16)
