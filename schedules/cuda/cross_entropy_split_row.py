@@ -55,7 +55,28 @@ already fills the SMs (128x151936 loses 6%), and on shorter rows the fold in the
 last block costs about what the split saves (4x50257: 7% faster at 8 parts, 12% slower
 at 4; 1x32000 fp32 slower at every split). The shipped cost model was trained before
 this candidate and cannot rank it, so dispatch takes this pick over the model's
-(``dispatch._choose``). Not measured on an H200.
+(``dispatch._choose``).
+
+Measured as dispatched (H100, copy 3006 GB/s, rows "probe: split_row dispatch" of
+results/benchmarks.csv, 2026-12-06T04:45Z, 943b522; each kernel checked against float64
+first), us under graph replay, dispatch against the cost model's pick (what dispatch
+took without this rule), then the user's call ``tvm_fusion.cross_entropy`` back to back:
+
+=====================  ==========  ===============  ======================================
+shape                  split_row   cost model pick  call (check_targets False / True)
+=====================  ==========  ===============  ======================================
+CE 16x128256 bf16      7.61        13.02            10.67 / 12.23
+CE 64x151936 bf16      14.95       17.77            16.39 / 16.43
+CE 32x256000 bf16      14.48       24.79            16.62 / 16.54
+CE 8x256000 bf16       9.05        24.26            14.24 / 12.33
+CE 1x128256 fp32       6.77        13.28            10.79 / 12.24
+CE 66x128256 bf16      13.41       15.78            14.98 / 14.91
+CE 32x151936 fp16      12.26       16.29            13.78 / 13.85
+CE 2x256000 bf16       7.54        23.46            10.74 / 12.36
+=====================  ==========  ===============  ======================================
+
+Faster on all eight, 1.2x to 3.1x. Where the kernel takes under 10 us the call takes
+about 3 us more (the host's share). Not measured on an H200.
 
 Applies to cross entropy (any reduction, weight and smoothing: the parts carry the
 online decomposition's extra sums) of at most ``MAX_ROWS`` rows, about two an SM, where
