@@ -320,8 +320,17 @@ class Schema:
         shape = problem_features(problem)
         return [shape[n] for n in self.problem_features]
 
-    def row(self, problem: Problem, candidate: str, knobs: Knobs) -> list[float]:
+    def row(self, problem: Problem, candidate: str, knobs: Knobs,
+            trained: Iterable[str] | None = None) -> list[float]:
+        """The features of one configuration. ``trained``: the knobs the candidate had
+        when the model was trained (:meth:`CostModel.trained_knobs`); a knob added since
+        is left out, as the training rows had it, so a configuration at the values the
+        candidate had before the knob (the rank keeps only those) gets the features the
+        model learned from."""
         values = knobs.as_dict()
+        if trained is not None:
+            trained = set(trained)
+            values = {k: v for k, v in values.items() if k in trained}
         extent = _log2(reduction_extent(problem))
         lanes = sum(_log2(values[k]) for k in PARALLEL_KNOBS if k in values)
         blocks, block_threads = launch_shape(problem, candidate, values)
@@ -533,7 +542,7 @@ class CostModel:
         import xgboost as xgb
 
         schema, booster = self.models[problem.op]
-        features = np.array([schema.row(problem, c, k) for c, k in configs])
+        features = np.array([schema.row(problem, c, k, self.trained_knobs(problem.op, c)) for c, k in configs])
         slope, intercept = self.calibration[problem.op]
         scores = booster.predict(xgb.DMatrix(features, feature_names=schema.names)).astype(np.float64)
         relative = slope * scores + intercept
@@ -563,9 +572,23 @@ class CostModel:
                    if launches(problem, cand.name, knobs, target)]
         return _fastest_first(configs, self.predict_many(problem, configs)) if configs else []
 
+    def trained_knobs(self, op: str, candidate: str) -> set[str] | None:
+        """The knobs ``candidate`` had in the model's training rows; None where the file
+        keeps no ranges (every knob counts, as before 2026-12-06). Since 7298aa5 the
+        shipped model read ``cross_entropy_online``'s batch, added after its training,
+        as a feature its rows never had (0 then, 1 now): a shift that changed its picks
+        even at batch 1 (on the fifth held-out set, 3000x20000 fp32 took a configuration
+        1.154x the grid's best against 1.072 before the knob)."""
+        ranges = self.knob_ranges.get(op)
+        if ranges is None or candidate not in ranges:
+            return None
+        return set(ranges[candidate])
+
     def trained_near(self, op: str, candidate: str, knobs: Knobs) -> bool:
         """Whether every knob of the configuration lies within the values the model was
-        trained on for ``candidate`` (:func:`knob_ranges`); True for a model file
+        trained on for ``candidate`` (:func:`knob_ranges`), and a knob the candidate
+        gained after the training is at its default (the behaviour before it: a knob
+        added to a candidate defaults to the code it had); True for a model file
         without ranges (written before 2026-12-06), which ranks as before. The rank
         keeps a candidate's default regardless (:func:`thinned`): it is the heuristic's
         pick, and the grids time it (``bn_stats_channels_last``'s default takes vector
@@ -574,8 +597,17 @@ class CostModel:
         if ranges is None:
             return True
         seen = ranges.get(candidate)
-        return seen is not None and all(lo <= knobs.as_dict()[k] <= hi for k, (lo, hi) in seen.items()
-                                        if k in knobs.as_dict())
+        if seen is None:
+            return False
+        defaults = dataclasses.asdict(type(knobs)())
+        for knob, value in knobs.as_dict().items():
+            if knob in seen:
+                lo, hi = seen[knob]
+                if not lo <= value <= hi:
+                    return False
+            elif value != defaults[knob]:  # a knob added after the training: only its no-op value
+                return False
+        return True
 
     # -- the file ---------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> str:
@@ -611,31 +643,65 @@ class CostModel:
         return model
 
 
-def knob_ranges(rows: Sequence[Row]) -> dict[str, dict[str, tuple[int, int]]]:
-    """Per candidate of ``rows``, per knob, the lowest and highest value timed.
+def knob_ranges(rows: Sequence[Row], annotated: dict[str, set[str]] | None = None
+                ) -> dict[str, dict[str, tuple[int, int]]]:
+    """Per candidate of ``rows``, per knob, the lowest and highest value timed;
+    ``annotated``: per candidate the knobs its records set (:func:`annotated_knobs`), the
+    others left out (a knob added after the records were timed, which the rows read as
+    its default).
 
     The model ranks only configurations inside these ranges (:meth:`CostModel.rank`): a
     knob value it never saw timed for a candidate is a guess the trees make from other
     candidates' knobs of the same name. Seen 2026-12-06: ``cross_entropy_online`` gained
-    ``batch`` (1, 2, 4, 8) after the shipped model was trained, its rows all at 1, and the
+    ``batch`` (1, 2, 4, 8) after the shipped model was trained (its records set none), and the
     model ranked its ``batch`` from ``cross_entropy_aligned_rows``' knob of that name: on
     240 untuned shapes (V 1000 to 256000, 1 to 32768 rows, three dtypes) it picked
     ``cross_entropy_online`` at batch 8 for 52 (32768x32000 at 128 lanes and unroll 4, a
     configuration no GPU had run), and 68 picks differed from the model's before the
     knob. The knob is not safe to guess: on 16384x50257 bf16 at 1024 lanes batch 4 took
     0.820 ms against 0.643 at batch 1 (H100, "probe: online batch A/B" rows of
-    results/benchmarks.csv, 2026-12-06). With the ranges, the picks on those shapes are
-    the model's before the knob on 227 of 240; the 13 others differ because the space is
-    thinned after the ranges now (a configuration the model never saw no longer takes a
-    sample's place). A range, not the set of values: ``bn_stats_channels_last`` sizes its
-    splits to the shape, values between the timed ones."""
+    results/benchmarks.csv, 2026-12-06). With the ranges, the knobs as the records set
+    them (``annotated``) and those features only (:meth:`CostModel.trained_knobs`), the
+    model's picks on those 240 shapes are its picks before the knob wherever dispatch asks it, and on
+    the fifth held-out set 1.019x the grid's best again (worst 1.080; 1.154 with the
+    ranges alone). Two bn_stats picks of 60 sampled shapes changed (NHWC 8x224x224x3:
+    the space is thinned after the ranges now, so another sample took a place). A range,
+    not the set of values: ``bn_stats_channels_last`` sizes its splits to the shape,
+    values between the timed ones."""
     ranges: dict[str, dict[str, tuple[int, int]]] = {}
     for row in rows:
         seen = ranges.setdefault(row.candidate, {})
         for knob, value in row.knobs.as_dict().items():
+            if annotated is not None and knob not in annotated.get(row.candidate, ()):
+                continue
             lo, hi = seen.get(knob, (value, value))
             seen[knob] = (min(lo, value), max(hi, value))
     return ranges
+
+
+def annotated_knobs(log_dirs: Iterable[str | os.PathLike], target: Target) -> dict[str, set[str]]:
+    """Per candidate, the knobs its records in ``log_dirs`` annotate (each a log folder
+    or a database folder, as :func:`training_rows` takes them). The shipped model's
+    ranges were computed so (``tuning_logs/README.md``): its rows of
+    ``cross_entropy_online`` set threads and unroll, not batch."""
+    found: dict[str, set[str]] = {}
+    for base in log_dirs:
+        for _, _, entry in records.IndexedLog(database_folder(base, target)).raw():
+            try:
+                instructions = entry[0][0]
+            except (IndexError, TypeError):
+                continue
+            name, knobs = None, set()
+            for kind, inputs, attrs, _ in instructions:
+                if kind != "Annotate":
+                    continue
+                if attrs[0] == registry.CANDIDATE_ANNOTATION:
+                    name = json.loads(inputs[1]) if isinstance(inputs[1], str) else None
+                elif str(attrs[0]).startswith(registry.KNOB_ANNOTATION):
+                    knobs.add(str(attrs[0])[len(registry.KNOB_ANNOTATION):])
+            if isinstance(name, str):
+                found.setdefault(name, set()).update(knobs)
+    return found
 
 
 def _packed(booster) -> str:
