@@ -552,6 +552,8 @@ def test_a_cuda_tune_times_the_default_and_seeds_first_and_builds_its_search_sid
     assert 0 < result.seeded < result.seconds
     assert result.best[UNTUNED.key()][1] == pytest.approx(1e-4 / len(order))  # the fastest: the last run
     assert len(built_in_pool) == (len(first) + result.searched if workers > 2 else 0)
+    if not tvm.cuda(0).exist:  # the best is reported, and said to be unchecked
+        assert "no cuda device" in result.unchecked[UNTUNED.key()]
 
 
 def test_the_model_ranks_no_configuration_that_cannot_launch():

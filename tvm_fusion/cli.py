@@ -180,7 +180,11 @@ def cmd_tune(args: argparse.Namespace) -> int:
             print(f"  the search ran {result.searched} of {result.trials} trials: it found no untried configuration "
                   "(the default and the cost model's seeds are measured before it)")
         for key, (candidate, best) in result.best.items():
-            print(f"  {key}: {candidate} {best * 1e3:.4f} ms")
+            print(f"  {key}: {candidate} {best * 1e3:.4f} ms"
+                  + (f" (not checked against float64: {result.unchecked[key]})" if key in result.unchecked else ""))
+        for key, reasons in result.rejected.items():
+            for reason in reasons:
+                print(f"  REJECTED, wrong outputs (dispatch skips it): {reason}", file=sys.stderr)
         if args.compare:  # shape by shape, so a long run keeps what it has compared
             seconds = dict.fromkeys(result.best, result.seconds)
             bench_cases = [bench.Case(op, shape, dtype, tuple(sorted(o.items()))) for op, shape, dtype, o in batch]

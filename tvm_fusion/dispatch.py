@@ -78,9 +78,11 @@ def best_record(problem: Problem, target: Target, log_dir: str | os.PathLike | N
 
 
 def records_of(problem: Problem, target: Target, log_dir: str | os.PathLike | None) -> list[Found]:
-    """Every measured record of ``problem`` on ``target``, with its candidate and knobs."""
+    """Every measured record of ``problem`` on ``target``, with its candidate and knobs,
+    but those of a configuration rejected for wrong outputs (``records.rejected``)."""
     found = []
     algorithms = {c.algorithm for c in registry.applicable(problem, target)}
+    rejected = records.rejected(log_dir, target)
     for path, log in records.databases(log_dir, target):
         for algorithm in ALGORITHMS[problem.op]:
             if algorithm not in algorithms:
@@ -91,7 +93,9 @@ def records_of(problem: Problem, target: Target, log_dir: str | os.PathLike | No
                 continue
             for record in db.get_top_k(db.commit_workload(mod), RECORDS_READ):
                 if record.run_secs:
-                    found.append(Found(*registry.replayed_choice(record, problem.op), str(path)))
+                    one = Found(*registry.replayed_choice(record, problem.op), str(path))
+                    if (problem.key(), one.candidate, str(one.knobs)) not in rejected:
+                        found.append(one)
     return found
 
 

@@ -194,8 +194,46 @@ def invalidate() -> None:
     and :func:`merge` do) or after changing logs from outside this process.
     Dispatch reads no file per call, so without this a change goes unseen."""
     _cached.cache_clear()
+    _rejected_in.cache_clear()
     for cache in _CACHES:
         cache.clear()
+
+
+REJECTED = "rejected.json"  # configurations whose kernels gave wrong outputs (tvm_fusion.verify)
+
+
+def reject(path: str | os.PathLike, problem_key: str, candidate: str, knobs: str, reason: str) -> None:
+    """Record in the log folder ``path`` that ``candidate`` at ``knobs`` gave wrong
+    outputs on ``problem_key``: dispatch skips its records (:func:`rejected`) in every
+    folder it searches. The tuner's check writes it (``tuner.tune``)."""
+    file = pathlib.Path(path) / REJECTED
+    entries = json.loads(file.read_text())["rejected"] if file.exists() else []
+    entry = {"problem": problem_key, "candidate": candidate, "knobs": knobs, "reason": reason}
+    if not any(e["problem"] == problem_key and e["candidate"] == candidate and e["knobs"] == knobs for e in entries):
+        entries.append(entry)
+    file.parent.mkdir(parents=True, exist_ok=True)
+    file.write_text(json.dumps({"rejected": entries}, indent=1) + "\n")
+    invalidate()
+
+
+def rejected(log_dir: str | os.PathLike | None, target: Target) -> frozenset[tuple[str, str, str]]:
+    """(problem key, candidate, knobs as text) of every configuration rejected in the
+    folders dispatch searches for ``target``."""
+    found = set()
+    for base in search_paths(log_dir):
+        file = folder(base, target) / REJECTED
+        if file.exists():
+            found |= _rejected_in(str(file), file.stat().st_mtime)
+    return frozenset(found)
+
+
+@functools.lru_cache(maxsize=16)
+def _rejected_in(path: str, mtime: float) -> frozenset[tuple[str, str, str]]:
+    try:
+        entries = json.loads(pathlib.Path(path).read_text())["rejected"]
+        return frozenset((e["problem"], e["candidate"], e["knobs"]) for e in entries)
+    except (ValueError, KeyError, TypeError) as err:
+        raise LogLineError(path, 1, f"not a list of rejected configurations ({_short(err)})") from err
 
 
 def search_paths(log_dir: str | os.PathLike | None) -> list[pathlib.Path]:

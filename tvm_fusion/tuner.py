@@ -40,6 +40,7 @@ import contextlib
 import dataclasses
 import hashlib
 import os
+import pathlib
 import sys
 import tarfile
 import time
@@ -564,6 +565,10 @@ class TuneResult:
     best: dict[str, tuple[str, float]]  # problem key -> (candidate, seconds)
     searched: int = 0  # trials the search ran: fewer than asked when no untried configuration was left
     seeded: float = 0.0  # seconds of ``seconds`` spent measuring the defaults and seeds before the search
+    # problem key -> what was off, for each best record whose kernel gave wrong outputs
+    # (rejected: dispatch skips it, and ``best`` holds the next record that checked)
+    rejected: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+    unchecked: dict[str, str] = dataclasses.field(default_factory=dict)  # problem key -> why its best is not checked
 
 
 def tune(
@@ -638,14 +643,56 @@ def tune(
         if pool is not None:
             pool.close()
     seconds = time.perf_counter() - start
-    from .dispatch import best_record
-
-    best = {}
+    records.invalidate()
+    result = TuneResult(str(path), seconds, total, {}, counter.done, seeded)
     for problem in problems:
+        checked_best(problem, target, log_dir, path, result)
+    return result
+
+
+# The tuner checks a problem's best record against the float64 reference (verify.check)
+# up to this many elements: the reference of 16384x50257 (823M) takes tens of GB of
+# float64 temporaries on the host. A larger problem is reported unchecked.
+CHECK_MAX_ELEMENTS = 1 << 27
+CHECK_MAX_REJECTIONS = 4  # past this many wrong bests in a row the problem gets no best in the result
+
+
+def _unchecked(problem: Problem, target: Target) -> str | None:
+    """Why the check cannot run here, or None: a problem past ``CHECK_MAX_ELEMENTS``, or
+    no device of the target's kind in this process (a tune built for CUDA and timed
+    elsewhere, as a runner on another host would)."""
+    if problem.numel > CHECK_MAX_ELEMENTS:
+        return f"{problem.numel} elements: too large for the host's float64 reference"
+    device = tvm.cuda(0) if target.kind.name == "cuda" else tvm.cpu(0)
+    if not device.exist:
+        return f"no {target.kind.name} device here to run the kernel"
+    return None
+
+
+def checked_best(problem: Problem, target: Target, log_dir: str | os.PathLike, path: pathlib.Path,
+                 result: TuneResult) -> None:
+    """Put ``problem``'s best record into ``result.best``, after checking its kernel (as
+    dispatch builds it) against the float64 reference: a wrong one is rejected in the
+    log folder ``path`` (``records.reject``), noted in ``result.rejected``, and the next
+    best checked."""
+    from . import verify
+    from .dispatch import best_record, kernel_for
+
+    for _ in range(CHECK_MAX_REJECTIONS + 1):
         found = best_record(problem, target, log_dir)
-        if found is not None:
-            best[problem.key()] = (found.candidate, found.seconds)
-    return TuneResult(str(path), seconds, total, best, counter.done, seeded)
+        if found is None:
+            return
+        result.best[problem.key()] = (found.candidate, found.seconds)
+        why = _unchecked(problem, target)
+        if why:
+            result.unchecked[problem.key()] = why
+            return
+        wrong = verify.check(kernel_for(problem, target, log_dir))
+        if wrong is None:
+            return
+        records.reject(path, problem.key(), found.candidate, str(found.knobs), wrong)
+        result.rejected.setdefault(problem.key(), []).append(wrong)
+        del result.best[problem.key()]
 
 
 # -- grids: every configuration timed, the cost model's training data ---------------------
