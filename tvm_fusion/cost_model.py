@@ -321,7 +321,7 @@ class Schema:
         return [shape[n] for n in self.problem_features]
 
     def row(self, problem: Problem, candidate: str, knobs: Knobs,
-            trained: Iterable[str] | None = None) -> list[float]:
+            trained: set[str] | None = None) -> list[float]:
         """The features of one configuration. ``trained``: the knobs the candidate had
         when the model was trained (:meth:`CostModel.trained_knobs`); a knob added since
         is left out, as the training rows had it, so a configuration at the values the
@@ -329,7 +329,6 @@ class Schema:
         model learned from."""
         values = knobs.as_dict()
         if trained is not None:
-            trained = set(trained)
             values = {k: v for k, v in values.items() if k in trained}
         extent = _log2(reduction_extent(problem))
         lanes = sum(_log2(values[k]) for k in PARALLEL_KNOBS if k in values)
@@ -687,20 +686,9 @@ def annotated_knobs(log_dirs: Iterable[str | os.PathLike], target: Target) -> di
     found: dict[str, set[str]] = {}
     for base in log_dirs:
         for _, _, entry in records.IndexedLog(database_folder(base, target)).raw():
-            try:
-                instructions = entry[0][0]
-            except (IndexError, TypeError):
-                continue
-            name, knobs = None, set()
-            for kind, inputs, attrs, _ in instructions:
-                if kind != "Annotate":
-                    continue
-                if attrs[0] == registry.CANDIDATE_ANNOTATION:
-                    name = json.loads(inputs[1]) if isinstance(inputs[1], str) else None
-                elif str(attrs[0]).startswith(registry.KNOB_ANNOTATION):
-                    knobs.add(str(attrs[0])[len(registry.KNOB_ANNOTATION):])
-            if isinstance(name, str):
-                found.setdefault(name, set()).update(knobs)
+            annotated = registry.traced_annotations(entry[0]) if isinstance(entry, list) and entry else None
+            if annotated is not None:
+                found.setdefault(annotated[0], set()).update(annotated[1])
     return found
 
 

@@ -83,6 +83,7 @@ def records_of(problem: Problem, target: Target, log_dir: str | os.PathLike | No
     found = []
     algorithms = {c.algorithm for c in registry.applicable(problem, target)}
     rejected = records.rejected(log_dir, target)
+    key = problem.key()
     for path, log in records.databases(log_dir, target):
         for algorithm in ALGORITHMS[problem.op]:
             if algorithm not in algorithms:
@@ -94,7 +95,7 @@ def records_of(problem: Problem, target: Target, log_dir: str | os.PathLike | No
             for record in db.get_top_k(db.commit_workload(mod), RECORDS_READ):
                 if record.run_secs:
                     one = Found(*registry.replayed_choice(record, problem.op), str(path))
-                    if (problem.key(), one.candidate, str(one.knobs)) not in rejected:
+                    if (key, one.candidate, str(one.knobs)) not in rejected:
                         found.append(one)
     return found
 
@@ -140,16 +141,17 @@ def _choose(problem: Problem, target: Target, log_dir: str | os.PathLike | None)
         # The heuristic's pick is newer than the model, which cannot rank it against the rest.
         return Choice(cand.name, cand.default_for(problem, target), "heuristic",
                       f"{heuristic}; the cost model in {found[0]} was trained without {cand.name}")
-    predicted = _cost_model_choice(problem, target, log_dir)
+    predicted = _cost_model_choice(problem, target, found)
     if predicted is not None:
         return predicted
     return Choice(cand.name, cand.default_for(problem, target), "heuristic", heuristic)
 
 
-def _cost_model_choice(problem: Problem, target: Target, log_dir: str | os.PathLike | None) -> Choice | None:
-    """The cost model's fastest predicted (candidate, knobs), or None without a model
-    file for the target or a regressor for the operator."""
-    found = cost_model.find(target, log_dir)
+def _cost_model_choice(problem: Problem, target: Target,
+                       found: tuple[os.PathLike, cost_model.CostModel] | None) -> Choice | None:
+    """The fastest predicted (candidate, knobs) of the cost model ``found``
+    (``cost_model.find``: its path and the model), or None without a model file for the
+    target or a regressor for the operator."""
     if found is None:
         return None
     path, model = found

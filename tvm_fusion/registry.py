@@ -178,6 +178,19 @@ def traced_choice(trace_json: Any) -> tuple[str, Knobs] | None:
     (a record parsed and replayed: about 60 ms on the 2-core CPU machine, 226 s for the
     3261 rows of the shipped H200 logs). None where the trace says something else (an
     annotation removed, a value of another kind): the caller replays then."""
+    found = traced_annotations(trace_json)
+    if found is None:
+        return None
+    name, values = found
+    if not all(isinstance(v, int) for v in values.values()):
+        return None
+    return name, get(name).knobs(**values)
+
+
+def traced_annotations(trace_json: Any) -> tuple[str, dict[str, Any]] | None:
+    """The candidate a tuning record's trace (its JSON) annotates and the value of each
+    knob it annotates, by knob name; None where the trace cannot be read so (see
+    :func:`traced_choice`)."""
     try:
         insts, decisions = trace_json[0], dict((int(i), d) for i, d in trace_json[1])
         picks: dict[str, int] = {}  # a sampled random variable's name -> the value its decision picks
@@ -202,10 +215,7 @@ def traced_choice(trace_json: Any) -> tuple[str, Knobs] | None:
     name = notes.pop(CANDIDATE_ANNOTATION, None)
     if not isinstance(name, str):
         return None
-    values = {k[len(KNOB_ANNOTATION):]: v for k, v in notes.items()}
-    if not all(isinstance(v, int) for v in values.values()):
-        return None
-    return name, get(name).knobs(**values)
+    return name, {k[len(KNOB_ANNOTATION):]: v for k, v in notes.items()}
 
 
 class _SampledKnobs:

@@ -678,12 +678,12 @@ def checked_best(problem: Problem, target: Target, log_dir: str | os.PathLike, p
     from . import verify
     from .dispatch import best_record, kernel_for
 
+    why = _unchecked(problem, target)
     for _ in range(CHECK_MAX_REJECTIONS + 1):
         found = best_record(problem, target, log_dir)
         if found is None:
             return
         result.best[problem.key()] = (found.candidate, found.seconds)
-        why = _unchecked(problem, target)
         if why:
             result.unchecked[problem.key()] = why
             return

@@ -33,11 +33,11 @@ POISON_INT = -7777
 RTOL = {"float32": 1e-4, "float16": 2e-3, "bfloat16": 1.6e-2, "int32": 0.0, "int64": 0.0}
 
 
-def _floats(gen: np.random.Generator, shape: tuple[int, ...], dtype: str, scale: float = 1.0,
-            loc: float = 0.0) -> np.ndarray:
-    values = gen.standard_normal(shape) * scale + loc
+def _host(values: np.ndarray, dtype: str) -> np.ndarray:
+    """``values`` as a numpy array of ``dtype`` (bfloat16: ml_dtypes', which comes with
+    apache-tvm)."""
     if dtype == "bfloat16":
-        import ml_dtypes  # comes with apache-tvm
+        import ml_dtypes
 
         return values.astype(ml_dtypes.bfloat16)
     return values.astype(dtype)
@@ -54,33 +54,28 @@ def inputs_for(kernel: Kernel, gen: np.random.Generator) -> dict[str, np.ndarray
     for name, shape, dtype in kernel.params[: kernel.num_inputs]:
         shape = tuple(int(s) for s in shape)
         if name == "logits":
-            found[name] = _floats(gen, shape, dtype, scale=3.0)
+            values = gen.standard_normal(shape) * 3.0
         elif name == "target":
-            t = gen.integers(0, problem.classes, size=shape).astype(dtype)
-            if t.size > 1:
-                t.reshape(-1)[gen.integers(0, t.size)] = problem.ignore_index  # one row ignored
-            found[name] = t
-        elif name in ("weight", "bias", "running_mean"):
-            found[name] = (gen.random(shape) + 0.5).astype(dtype)
-        elif name == "running_var":
-            found[name] = (gen.random(shape) + 0.5).astype(dtype)
+            values = gen.integers(0, problem.classes, size=shape)
+            if values.size > 1:
+                values.reshape(-1)[gen.integers(0, values.size)] = problem.ignore_index  # one row ignored
+        elif name in ("weight", "bias", "running_mean", "running_var", "dloss"):
+            values = gen.random(shape) + 0.5
         elif name == "momentum":
-            found[name] = np.full(shape, 0.1, dtype=dtype)
+            values = np.full(shape, 0.1)
         elif name == "x":
-            found[name] = _floats(gen, shape, dtype, scale=2.0, loc=1.0)
+            values = gen.standard_normal(shape) * 2.0 + 1.0
         elif name == "dy":
-            found[name] = _floats(gen, shape, dtype)
-        elif name in ("mean", "invstd", "mean_dy", "mean_dy_xhat"):
-            found[name] = (gen.random(shape) * (0.5 if name != "invstd" else 1.0) + 0.25).astype(dtype)
-        elif name == "dloss":
-            found[name] = (gen.random(shape) + 0.5).astype(dtype)
+            values = gen.standard_normal(shape)
+        elif name in ("mean", "mean_dy", "mean_dy_xhat"):
+            values = gen.random(shape) * 0.5 + 0.25
+        elif name == "invstd":
+            values = gen.random(shape) + 0.25
         elif name == "lse":
-            found[name] = None  # from the logits, below
+            values = cross_entropy_grad.reference_lse(found["logits"])  # the logits come first
         else:
             raise ValueError(f"verify: no random input for parameter {name!r} of {kernel.candidate}")
-    if "lse" in found:
-        found["lse"] = cross_entropy_grad.reference_lse(found["logits"]).astype(
-            dict((n, d) for n, _, d in kernel.params)["lse"])
+        found[name] = _host(values, dtype)
     return found
 
 
@@ -133,26 +128,20 @@ def check(kernel: Kernel, seed: int = 0, device: Any = None) -> str | None:
     device = device or (tvm.cuda(0) if kernel.target.kind.name == "cuda" else tvm.cpu(0))
     args = [tvm.runtime.tensor(np.ascontiguousarray(given[name]), device)._create_view(tuple(shape))
             for name, shape, _ in kernel.params[: kernel.num_inputs]]
-    outs = []
-    for _, shape, dtype in kernel.outputs:
-        poison = POISON_INT if dtype.startswith("int") else np.nan
-        fill = np.full(numel(shape), poison, dtype=np.float32 if dtype == "bfloat16" else dtype)
-        if dtype == "bfloat16":
-            import ml_dtypes
-
-            fill = fill.astype(ml_dtypes.bfloat16)
-        outs.append(tvm.runtime.tensor(fill, device)._create_view(tuple(shape)))
+    outs = [tvm.runtime.tensor(_host(np.full(numel(shape), POISON_INT if dtype.startswith("int") else np.nan), dtype),
+                               device)._create_view(tuple(shape))
+            for _, shape, dtype in kernel.outputs]
     try:
         kernel(*args, *outs)
         device.sync()
     except Exception as err:  # noqa: BLE001 - any failure to run is the answer
         return f"{kernel.describe()}: the kernel failed to run ({type(err).__name__}: {str(err)[:200]})"
-    got = {name: out.numpy() for (name, _, _), out in zip(kernel.outputs, outs)}
+    got = {name: (out, dtype) for (name, _, dtype), out in zip(kernel.outputs, outs)}
     for name, want in expected(kernel, given).items():
         if name not in got:
             continue
-        dtype = dict((n, d) for n, _, d in kernel.outputs)[name]
-        off = _mismatch(_f64(got[name]).reshape(np.shape(want)), _f64(want), RTOL.get(dtype, 1e-4))
+        out, dtype = got[name]
+        off = _mismatch(_f64(out.numpy()).reshape(np.shape(want)), _f64(want), RTOL.get(dtype, 1e-4))
         if off:
             return f"{kernel.describe()}: {name} {off}"
     return None

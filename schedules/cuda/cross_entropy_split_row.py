@@ -108,7 +108,7 @@ ALGORITHM = "split_online"  # online over chunks padded to a multiple of 64: exa
 # preferred from 2 x 132 rows on an H200); the fold runs a row a lane of one block.
 MAX_ROWS = 512
 SPLITS = [2 ** k for k in range(1, SPLIT_GRAIN.bit_length())]  # 2 to 64: each divides the padded chunks
-PART_BYTES = 32 * 1024  # the default's part: the best split of every row of 256 KB and more (docstring)
+PART_BYTES = 32 * 1024  # the default's part: the best split of every row of 250 KiB and more (docstring)
 PREFERRED_ROW_BYTES = 240 * 1024  # dispatch prefers it from rows of 240 KiB (128256 bf16: 250.5) ...
 ROWS_AN_SM = 0.5  # ... for at most half a row an SM (66 rows on 132 SMs)
 
