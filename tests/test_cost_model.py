@@ -7,6 +7,7 @@ is the plumbing and the guarantees dispatch relies on (a record still wins, no m
 file changes nothing), not how well the model picks: that needs grids of timings
 from the GPU host."""
 
+import copy
 import dataclasses
 import json
 import math
@@ -612,7 +613,8 @@ def test_the_model_ranks_only_knob_values_it_was_trained_near_and_the_default(ro
     assert not model.trained_near("cross_entropy", online.name, unseen)
     assert not model.trained_near("cross_entropy", "no_such_candidate", default)
     # A default outside the ranges is still ranked: the heuristic's own pick.
-    narrow = cost_model.CostModel.train(rows, CUDA)
+    narrow = copy.copy(model)  # the same boosters, its own ranges
+    narrow.knob_ranges = {op: dict(ranges) for op, ranges in model.knob_ranges.items()}
     narrow.knob_ranges["cross_entropy"][online.name] = {"threads": (1, 1)}
     assert [r.knobs for r in narrow.rank(problem, CUDA) if r.candidate == online.name] == [default]
     # The ranges round-trip through the file; a file without them ranks every thinned one.

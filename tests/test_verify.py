@@ -33,13 +33,6 @@ CASES = [
 ]
 
 
-def kernels(target):
-    for op, shape, dtype, options in CASES:
-        problem = tf.make_problem(op, shape, dtype, **options)
-        for cand in registry.applicable(problem, target):
-            yield build_kernel(problem, target, cand.name)
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[3]}")
 def test_every_operators_cpu_kernels_match_the_reference(case):
     op, shape, dtype, options = case
