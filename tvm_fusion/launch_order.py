@@ -43,7 +43,7 @@ from typing import Any
 import tvm
 from tvm import tirx
 
-from . import async_rounds, grid_barrier
+from . import async_rounds, grid_barrier, store_hints
 from .compute import PARTITION_LIKELY_ATTR
 
 # TVM 0.27's UnrollLoop multiplies a loop's extent by its body's steps in a C int and
@@ -206,7 +206,8 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
     const loops where a function asks for it (the
     :data:`~tvm_fusion.compute.PARTITION_LIKELY_ATTR` attribute of the decompositions in
     :data:`~tvm_fusion.compute.PARTITION_LIKELY`), and pipelined rounds lowered as
-    :mod:`tvm_fusion.async_rounds` says where one asks for that."""
+    :mod:`tvm_fusion.async_rounds` says where one asks for that; then the large gradient
+    stores made evict-first (:mod:`tvm_fusion.store_hints`)."""
     config, disabled = dict(ctx.config), [*ctx.disabled_pass, *TAIL]
     config.setdefault(UNROLL_CONFIG, {"auto_max_step": NO_AUTO_UNROLL})
     if any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and f.attrs.get(PARTITION_LIKELY_ATTR)
@@ -220,7 +221,7 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
         mod = pipeline(mod)
         if pipelined:
             mod = async_rounds.lower_allreduce(mod)
-    return marked_loops(mod)
+    return store_hints.evict_first_stores(marked_loops(mod))
 
 
 def _pipeline(**kwargs):
