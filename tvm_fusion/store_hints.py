@@ -8,22 +8,32 @@ at the copy rate. The rows in flight (two 1024-lane blocks an SM, 26 MB) fit the
 the gradient's own stream of writes, kept in L2 as any store, pushed them out before
 their re-read. Stored evict-first, the gradient leaves the L2 first and the rows stay.
 
-Measured (H100, 2026-12-06, rows "probe: evict-first dlogits stores A/B" of
-results/benchmarks.csv; forward + backward under graph replay, each kernel checked
-against float64 autograd on poisoned outputs; the stores rewritten in the generated
-CUDA into the ``__stcs`` calls this pass emits): 16384x50257 bf16 1.3544 ms against 1.5010 (0.90x,
-72.7% -> 80.6% of copy for one read and one write); 3000x50257 fp16 0.3202 against
-0.3225. The 16-byte stores of rows on the grid gained little or nothing and are left
-as they are: 8192x128256 bf16 ``cross_entropy_grad_head_in_shared`` 1.6263 against
-1.6281, ``cross_entropy_grad_online`` 1.9641 against 2.0303; 2048x151936 bf16 0.5426
-against 0.5485; 4096x32000 fp16 0.1850 against 0.1848; 65536x1000 fp16 0.0998
-against 0.0996.
+Measured (H100, forward + backward under graph replay, each kernel checked against
+float64 autograd on poisoned outputs first). First with the stores rewritten in the
+generated CUDA into the ``__stcs`` calls this pass emits (2026-12-06, rows "probe:
+evict-first dlogits stores A/B" of results/benchmarks.csv): 16384x50257 bf16 1.3544 ms
+against 1.5010 (72.7% -> 80.6% of copy for one read and one write), 3000x50257 fp16
+0.3202 against 0.3225. The 16-byte stores of rows on the grid gained little or nothing
+and are left as they are: 8192x128256 bf16 ``cross_entropy_grad_head_in_shared`` 1.6263
+against 1.6281, ``cross_entropy_grad_online`` 1.9641 against 2.0303; 2048x151936 bf16
+0.5426 against 0.5485; 4096x32000 fp16 0.1850 against 0.1848; 65536x1000 fp16 0.0998
+against 0.0996. Then this pass, switched in one process (rows "probe: store_hints A/B
+as committed"): 16384x50257 bf16 1.3535 against 1.5003, 32768x50257 bf16 2.6898
+against 2.9861, 8192x50257 fp16 with smoothing 0.7880 against 0.8171, float32 rows
+(``cross_entropy_grad_block_per_row``) 1-2% faster; the user's call (``tvm_fusion.torch``
+forward and backward, back to back) 1.3746 against 1.5217 on 16384x50257 bf16. Still
+1.24x that card's floor of one read and one write; the other knobs did not do better
+with the hint (512 lanes 1.8340 ms, a block per row's three sweeps 1.5941; "probe:
+odd-row gradient knobs with evict-first stores" rows).
 
 Where: CUDA functions only, stores of a scalar into a global buffer named ``dlogits``
 (the gradient output of every ``cross_entropy_grad`` decomposition) of at least
-:data:`MIN_BYTES`. A smaller gradient could stay in L2 for the op that reads it next
-(the backward of the layer before), which evict-first would spoil, and its rows fit
-the L2 with their writes anyway.
+:data:`MIN_BYTES`, in the fused mode only. The backward from the saved lse (a function
+with a ``dloss`` input, ``dloss_0d`` where it is a scalar) reads each row once, and the hint only cost it (16384x50257
+bf16 ``cross_entropy_grad_from_lse_block_per_row`` 1.4899 ms against 1.4845, both
+rounds). A smaller gradient could stay in L2 for the op that reads it next (the
+backward of the layer before), which evict-first would spoil, and its rows fit the L2
+with their writes anyway.
 
 How: a pass over the lowered function (after vectorization, buffers flat), run by
 every pipeline that builds a scheduled module (``launch_order.lowered``): each such
@@ -64,7 +74,8 @@ def evict_first(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` (lowered, before the host/device split) with its scalar stores into a
     large ``dlogits`` made evict-first; unchanged off CUDA or where it has none."""
     target = func.attrs.get("target") if func.attrs is not None else None
-    if not ENABLED or target is None or target.kind.name != "cuda":
+    if not ENABLED or target is None or target.kind.name != "cuda" or \
+            any(param.name.startswith("dloss") for param in func.params):
         return func
     body = _walk(func.body)
     return func if body.same_as(func.body) else func.with_body(body)
