@@ -19,7 +19,7 @@ import pytest
 import tvm_fusion as tf
 from helpers import has_gpu, rng, torch_or_none
 from test_cross_entropy_grad import check_on_device, gpu_problem
-from tvm_fusion import dispatch, store_hints, targets
+from tvm_fusion import dispatch, registry, store_hints, targets
 from tvm_fusion.codegen import nvcc_path
 from tvm_fusion.kernel import build_kernel
 
@@ -47,6 +47,16 @@ def test_every_scalar_store_of_a_large_gradient_is_evict_first(shape, dtype, opt
     source = dispatched(grad_problem(shape, dtype, **options)).device_source()
     assert "__stcs((&(dlogits_ptr[" in source
     assert not PLAIN_STORE.search(source), "a plain store of the gradient is left"
+
+
+@pytest.mark.parametrize("problem", [grad_problem((16384, 50257), "bfloat16"), grad_problem((2048, 50257), "float32")],
+                         ids=lambda p: p.key())
+def test_every_candidate_the_tuner_may_pick_stores_the_large_gradient_evict_first(problem):
+    names = [cand.name for cand in registry.applicable(problem, CUDA)]
+    assert "cross_entropy_grad_online" in names and len(names) >= 2
+    for name in names:
+        source = build_kernel(problem, CUDA, name).device_source()
+        assert "__stcs((&(dlogits_ptr[" in source and not PLAIN_STORE.search(source), name
 
 
 def test_the_online_gradient_of_odd_rows_stores_all_its_unrolled_steps_evict_first():
