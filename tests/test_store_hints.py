@@ -28,11 +28,6 @@ CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
 PLAIN_STORE = re.compile(r"dlogits_ptr\[[^;]*\] = ")
 
 
-def dispatched(problem, target=CUDA):
-    choice = dispatch.choose(problem, target)
-    return build_kernel(problem, target, choice.candidate, choice.knobs)
-
-
 def grad_problem(shape, dtype, **options):
     options.setdefault("mode", "fused")
     return tf.make_problem("cross_entropy_grad", shape, dtype, **options)
@@ -44,7 +39,7 @@ def grad_problem(shape, dtype, **options):
     ((700, 50257), "float32", {"reduction": "none"}),
 ])
 def test_every_scalar_store_of_a_large_gradient_is_evict_first(shape, dtype, options):
-    source = dispatched(grad_problem(shape, dtype, **options)).device_source()
+    source = dispatch.kernel_for(grad_problem(shape, dtype, **options), CUDA).device_source()
     assert "__stcs((&(dlogits_ptr[" in source
     assert not PLAIN_STORE.search(source), "a plain store of the gradient is left"
 
@@ -61,7 +56,7 @@ def test_every_candidate_the_tuner_may_pick_stores_the_large_gradient_evict_firs
 
 def test_the_online_gradient_of_odd_rows_stores_all_its_unrolled_steps_evict_first():
     problem = grad_problem((16384, 50257), "bfloat16")
-    kernel = dispatched(problem)
+    kernel = dispatch.kernel_for(problem, CUDA)
     assert kernel.candidate == "cross_entropy_grad_online"
     assert kernel.device_source().count("__stcs(") == -(-problem.classes // kernel.knobs.threads)  # 50 steps
 
@@ -69,7 +64,7 @@ def test_the_online_gradient_of_odd_rows_stores_all_its_unrolled_steps_evict_fir
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_nvcc_emits_streaming_stores(tmp_path):
     source = tmp_path / "k.cu"
-    source.write_text(dispatched(grad_problem((3000, 50257), "float16")).device_source())
+    source.write_text(dispatch.kernel_for(grad_problem((3000, 50257), "float16"), CUDA).device_source())
     ptx = tmp_path / "k.ptx"
     subprocess.run([nvcc_path(), "-arch=sm_90", "-ptx", str(source), "-o", str(ptx)], check=True, capture_output=True)
     assert len(re.findall(r"st\.global\.cs\.[bu]16", ptx.read_text())) == 50
@@ -83,7 +78,7 @@ def test_nvcc_emits_streaming_stores(tmp_path):
     grad_problem((16384, 50257), "bfloat16", mode="from_lse", reduction="none"),  # dloss (B,), not 0-d
 ], ids=lambda p: p.key())
 def test_small_gradients_vector_stores_and_the_backward_from_lse_stay_plain(problem):
-    assert "__stcs" not in dispatched(problem).device_source()
+    assert "__stcs" not in dispatch.kernel_for(problem, CUDA).device_source()
 
 
 def test_llvm_builds_and_the_switch_keep_plain_stores(monkeypatch):
@@ -92,10 +87,12 @@ def test_llvm_builds_and_the_switch_keep_plain_stores(monkeypatch):
     cpu = targets.resolve("llvm")
     llvm_ir = build_kernel(problem, cpu, dispatch.choose(problem, cpu).candidate).executable.mod.inspect_source("ll")
     assert "dlogits" in llvm_ir and "stcs" not in llvm_ir
+    # build_kernel, whose cache keys the switch (dispatch.kernel_for's keeps its first build)
+    choice = dispatch.choose(problem, CUDA)
     monkeypatch.setattr(store_hints, "ENABLED", False)
-    assert "__stcs" not in dispatched(problem).device_source()
+    assert "__stcs" not in build_kernel(problem, CUDA, choice.candidate, choice.knobs).device_source()
     monkeypatch.setattr(store_hints, "ENABLED", True)
-    assert "__stcs" in dispatched(problem).device_source()
+    assert "__stcs" in build_kernel(problem, CUDA, choice.candidate, choice.knobs).device_source()
 
 
 # -- on the GPU ---------------------------------------------------------------------------
@@ -112,7 +109,7 @@ gpu = pytest.mark.skipif(torch is None or not has_gpu(), reason="needs a CUDA GP
 ])
 def test_hinted_kernels_on_gpu(shape, options, dtype, mode):
     problem = gpu_problem(shape, options, dtype, mode)
-    kernel = dispatched(problem, targets.resolve("cuda"))
+    kernel = dispatch.kernel_for(problem, targets.resolve("cuda"))
     assert "__stcs" in kernel.device_source()
     check_on_device(problem, options, kernel, "cuda")
 

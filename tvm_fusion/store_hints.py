@@ -74,8 +74,10 @@ def evict_first(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` (lowered, before the host/device split) with its scalar stores into a
     large ``dlogits`` made evict-first; unchanged off CUDA or where it has none."""
     target = func.attrs.get("target") if func.attrs is not None else None
-    if not ENABLED or target is None or target.kind.name != "cuda" or \
-            any(param.name.startswith("dloss") for param in func.params):
+    names = [param.name for param in func.params]
+    # Only a gradient's function is walked (every other build passes through here too).
+    if not ENABLED or target is None or target.kind.name != "cuda" or not set(BUFFERS) & set(names) or \
+            any(name.startswith("dloss") for name in names):
         return func
     body = _walk(func.body)
     return func if body.same_as(func.body) else func.with_body(body)
@@ -89,7 +91,7 @@ def _walk(stmt: tirx.Stmt) -> tirx.Stmt:
         # scalar expression, such as a tensor load)
         ty = getattr(stmt.value, "ty", None)
         scalar = isinstance(ty, tvm.ir.PrimType) and tvm.DataType(str(ty.dtype)).lanes == 1
-        if scalar and _hinted(stmt.buffer) and not isinstance(stmt.indices[-1], tirx.Ramp):
+        if scalar and _hinted(stmt.buffer):
             address = tirx.address_of(tirx.BufferLoad(stmt.buffer, stmt.indices))
             return tirx.Evaluate(tirx.call_extern("void", "__stcs", address, stmt.value))
         return stmt

@@ -83,14 +83,13 @@ def expected(kernel: Kernel, given: dict[str, np.ndarray]) -> dict[str, np.ndarr
     """The float64 reference of each output the operator defines, by name."""
     problem = kernel.problem
     op = problem.op
-    if op == "cross_entropy":
+    if op.startswith("cross_entropy"):
         options = dict(weight=given.get("weight"), ignore_index=problem.ignore_index, reduction=problem.reduction,
                        label_smoothing=problem.label_smoothing)
+    if op == "cross_entropy":
         loss = cross_entropy.reference(given["logits"], given["target"], **options)
         return {"loss": loss} if problem.reduction != "none" else {"loss": loss, "row_loss": loss}
     if op == "cross_entropy_grad":
-        options = dict(weight=given.get("weight"), ignore_index=problem.ignore_index, reduction=problem.reduction,
-                       label_smoothing=problem.label_smoothing)
         if problem.mode == "from_lse":
             return {"dlogits": cross_entropy_grad.reference_grad(given["logits"], given["target"],
                                                                  dloss=given["dloss"], **options)}
