@@ -142,6 +142,18 @@ def check(case: Case, loss: Any, grad: Any, logits: Any, target: Any) -> str | N
     return None
 
 
+def peer_status(wrong: str | None) -> str:
+    """A peer's row status: "ok", or what its result got wrong, timed all the same.
+
+    A peer that is wrong on a shape is still the code its users run, so its time is
+    the comparison they would make. torch's float16 cross entropy over 65536 rows is
+    one: the mean's total weight, 65536, is past float16's largest finite value
+    (65504), and the gradient's target entries come out 0 instead of about -1/65536,
+    off by their full size (the H200 bench of 65536x1000; on the CPU the loss is inf
+    from 65504 rows on, tests/test_bench_train.py)."""
+    return "ok" if wrong is None else f"{wrong}; timed anyway (a peer)"
+
+
 def run(cases: list[Case] | None = None, csv_path: str | None = None, log=print,
         copy_gb_s: float | None = None) -> list[Result]:
     """Check and time every provider's training step on each case."""
@@ -189,7 +201,7 @@ def run(cases: list[Case] | None = None, csv_path: str | None = None, log=print,
                 torch.cuda.synchronize()
                 wrong = check(case, loss, grad, logits, target)
                 del loss, grad
-                if wrong:
+                if wrong and step.name.startswith("tvm_fusion"):  # ours wrong: a defect, never a time
                     rows.append(Result(case, step.name, None, nbytes, "-", wrong))
                     log(f"  {step.name:<44} {wrong}")
                     continue
@@ -197,9 +209,10 @@ def run(cases: list[Case] | None = None, csv_path: str | None = None, log=print,
                 calls = [lambda x=x, t=t: step.run(x, t) for x, t in own]
                 ms, method = time_calls_gpu(calls)
                 del own, calls
-                rows.append(Result(case, step.name, ms, nbytes, method + " (fwd+bwd)", "ok"))
+                status = peer_status(wrong)
+                rows.append(Result(case, step.name, ms, nbytes, method + " (fwd+bwd)", status))
                 log(f"  {step.name:<44} {ms:9.4f} ms  {nbytes / ms / 1e6:8.1f} GB/s  "
-                    f"{nbytes / ms / 1e6 / copy_gb_s:6.1%} of copy")
+                    f"{nbytes / ms / 1e6 / copy_gb_s:6.1%} of copy  {'' if wrong is None else status}")
             except Exception as err:  # noqa: BLE001 - report and go on with the others
                 torch.cuda.synchronize()
                 why = f"failed: {type(err).__name__}: {str(err)[:160]}"
