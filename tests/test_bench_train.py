@@ -48,3 +48,20 @@ def test_torch_float16_mean_over_65536_rows_is_flagged_and_the_peer_still_timed(
     assert wrong is not None and wrong.startswith("wrong:")
     assert peer_status(wrong) == f"{wrong}; timed anyway (a peer)"
     assert peer_status(None) == "ok"
+
+
+def test_the_in_place_step_overwrites_non_leaf_logits_and_gives_the_gradient() -> None:
+    # tvm_fusion.torch refuses to overwrite a leaf that requires grad (torch's rule); the
+    # bench's in-place steps take their logits from a stand-in layer, as training does.
+    from tvm_fusion.bench_train import providers
+
+    case = Case(OP, (64, 100), "float32")
+    steps = {step.name: step for step in providers(case)}
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(64, 100, generator=gen)
+    target = torch.randint(0, 100, (64,), generator=gen)
+    for name in ("tvm_fusion.torch", "tvm_fusion.torch (inplace_backward)"):
+        given = logits.clone()
+        loss, grad = steps[name].run(given, target)
+        assert check(case, loss.detach(), grad.detach(), logits, target) is None, name
+        assert steps[name].in_place == (not torch.equal(given, logits)), name

@@ -46,15 +46,41 @@ class Step:
     in_place: bool = False  # writes the gradient over the logits: needs its own copies
 
 
+def _layer_output():
+    """An autograd Function standing for the layer that made the logits: its output is a
+    non-leaf tensor on the input's memory (no copy, no kernel), its backward passes the
+    gradient through. The in-place steps (``inplace_backward``, Liger, Quack) take their
+    logits from it: a training step's logits come out of a layer, and
+    ``tvm_fusion.torch`` refuses, as torch does for in-place writes, to overwrite a leaf
+    that requires grad. The same for every in-place peer, so each pays its host cost."""
+    import torch
+
+    class LayerOutput(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return torch.empty(0, dtype=x.dtype, device=x.device).set_(
+                x.untyped_storage(), x.storage_offset(), x.shape, x.stride())
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    return LayerOutput
+
+
 def providers(case: Case) -> list[Step]:
     import torch
     import torch.nn.functional as F
 
     from . import torch as tft
 
-    def autograd(loss_fn):
+    layer_output = _layer_output()
+
+    def autograd(loss_fn, non_leaf=False):
         def run(x, t):
             x = x.detach().requires_grad_()
+            if non_leaf:  # the logits a layer made, not a leaf: an in-place loss may overwrite them
+                x = layer_output.apply(x)
             loss = loss_fn(x, t)
             (grad,) = torch.autograd.grad(loss, x)
             return loss, grad
@@ -64,7 +90,7 @@ def providers(case: Case) -> list[Step]:
     steps = [
         Step("tvm_fusion.torch", autograd(tft.cross_entropy)),
         Step("tvm_fusion.torch (check_targets=False)", autograd(lambda x, t: tft.cross_entropy(x, t, check_targets=False))),
-        Step("tvm_fusion.torch (inplace_backward)", autograd(lambda x, t: tft.cross_entropy(x, t, inplace_backward=True)),
+        Step("tvm_fusion.torch (inplace_backward)", autograd(lambda x, t: tft.cross_entropy(x, t, inplace_backward=True), True),
              in_place=True),
         Step("torch eager", autograd(F.cross_entropy)),
         Step("torch.compile", autograd(torch.compile(F.cross_entropy))),
@@ -76,7 +102,7 @@ def providers(case: Case) -> list[Step]:
             loss = LigerCrossEntropyFunction.apply(x, t, None, -100, 0.0, 0.0, "mean")
             return loss[0] if isinstance(loss, tuple) else loss
 
-        steps.append(Step("Liger (grad in forward)", autograd(liger), in_place=True))
+        steps.append(Step("Liger (grad in forward)", autograd(liger, True), in_place=True))
     except ImportError:
         pass
     try:
@@ -91,7 +117,7 @@ def providers(case: Case) -> list[Step]:
 
         if "inplace_backward" in params:
             steps.append(Step("Quack (dx in forward, in place)",
-                              autograd(lambda x, t: quack(x, t, inplace_backward=True)), in_place=True))
+                              autograd(lambda x, t: quack(x, t, inplace_backward=True), True), in_place=True))
         else:
             steps.append(Step("Quack", autograd(quack)))
     except Exception:  # noqa: BLE001 - Quack is optional (and needs CuTe DSL)
