@@ -49,10 +49,21 @@ def test_applies_to_few_rows_only():
     ((67, 128256), "bfloat16", False),   # more rows: a block a row fills more of the GPU
     ((128, 151936), "bfloat16", False),  # 21.34 against 20.19: loses
     ((128, 32000), "float16", False),    # 64 KB rows: loses at every split
-    ((4, 50257), "float16", False),      # 98 KiB rows
-    ((1, 32000), "float32", False),      # 125 KiB: loses at every split
+    ((1, 32000), "float32", False),      # 125 KiB, one row: loses at every split
+    # Medium rows, 60-240 KiB, 2 to 49 rows on 132 SMs (H100, the docstring's second table):
+    ((4, 50257), "float16", True),       # 98 KiB: 6.55 us at 8 parts against 7.07 (aligned rows)
+    ((4, 50257), "bfloat16", True),      # 6.18 against 7.16
+    ((8, 32000), "float16", True),       # 62.5 KiB: 5.31 against 5.98
+    ((2, 65536), "bfloat16", True),      # 4.73 against 7.82
+    ((48, 32000), "bfloat16", True),     # 5.71 against 6.40
+    ((49, 32000), "bfloat16", True),     # 0.375 a SM: 49.5 rows
+    ((50, 32000), "bfloat16", False),
+    ((64, 50257), "bfloat16", False),    # 9.69 against 8.43: loses
+    ((1, 50257), "float32", False),      # one row
+    ((1, 32000), "float16", False),      # one row: 4.90 against 4.29
+    ((16, 15000), "float32", False),     # 58.6 KiB: under 60
 ])
-def test_dispatch_prefers_it_for_few_rows_of_250_kib_and_more_over_the_cost_model(shape, dtype, preferred):
+def test_dispatch_prefers_it_for_few_rows_of_60_kib_and_more_over_the_cost_model(shape, dtype, preferred):
     """Preferred where the H100 A/B found it faster (the module's table), and dispatch
     takes it there although the shipped cost model, trained before it, ranks others."""
     p = problem(shape, dtype, {})
@@ -70,10 +81,12 @@ def test_dispatch_prefers_it_for_few_rows_of_250_kib_and_more_over_the_cost_mode
     ((64, 151936), "bfloat16", 8, 256),   # 297 KiB: 8 (37 KiB), the best; 16 parts 13% slower
     ((32, 256000), "bfloat16", 16, 256),  # 500 KiB: 16 (31 KiB), the best
     ((8, 256000), "bfloat16", 16, 256),   # the best; 32 parts 4% slower
-    ((4, 50257), "float16", 4, 256),      # 98 KiB: 4 parts of 25 KiB (not preferred)
+    ((4, 50257), "float16", 8, 256),      # 98 KiB: 8 parts of 12 KiB (medium rows: about 16 KiB)
+    ((16, 100000), "float16", 16, 256),   # 195 KiB: 16 parts of 12 KiB
+    ((8, 32000), "float16", 4, 256),      # 62.5 KiB: 4 parts of 16 KiB, the A/B's best
     ((512, 1001), "float16", 2, 128),     # a short row: the fewest parts
 ])
-def test_default_parts_hold_about_32_kib(shape, dtype, splits, threads):
+def test_default_parts_hold_about_32_kib_or_16_on_medium_rows(shape, dtype, splits, threads):
     knobs = CANDIDATE.default_for(problem(shape, dtype, {}), CUDA)
     assert (knobs.splits, knobs.threads) == (splits, threads)
 

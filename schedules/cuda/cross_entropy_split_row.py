@@ -81,6 +81,41 @@ about 3 us more (the host's share). The model's pick is the one at 943b522; sinc
 ``cross_entropy_block_per_row`` at 1024 threads, vector 8, unroll 64 (not timed here).
 Not measured on an H200.
 
+Medium rows. A grid over every candidate's knobs on five inputs under 1 MB (H100, rows
+"probe: small-input knob grid", 2026-12-06T08:45-08:53Z) found split_row's best on few rows
+of 62-250 KiB faster than dispatch's pick, with parts of 8-16 KiB, not 32. Timed then on
+twelve shapes (H100, copy 3040 GB/s, rows "probe: split_row on few rows of 64-240 KiB",
+2026-12-06T09:05Z, 9a2a64e; each kernel checked against float64 first), us under graph
+replay, mean; in bold what dispatch picks now:
+
+=====================  ===================  ===========  ===========  =============
+shape (row)            dispatch then        parts ~16    parts ~32    parts ~8 KiB
+                                            KiB          KiB
+=====================  ===================  ===========  ===========  =============
+4x50257 bf16 (98)      7.16 (aligned rows)  **6.18**     6.44         6.08
+8x32000 fp16 (62.5)    5.98 (block a row)   **5.31**     6.20         5.37
+16x50257 bf16 (98)     7.55 (aligned rows)  **6.50**     6.81         7.37
+32x32000 fp16 (62.5)   6.13 (block a row)   **5.55**     6.34         6.08
+8x65536 fp16 (128)     7.84 (block a row)   **5.47**     5.54         6.91
+16x100000 fp16 (195)   10.40 (block a row)  **7.89**     7.22         11.27
+2x32000 fp32 (125)     6.11 (block a row)   **5.09**     5.82         5.25
+2x65536 bf16 (128)     7.82 (block a row)   **4.73**     5.23         5.15
+48x32000 bf16 (62.5)   6.40 (block a row)   **5.71**     6.50         6.47
+64x50257 bf16 (98)     **8.43** (aligned)   9.69         9.22         11.64
+1x50257 fp32 (196)     6.47 (aligned rows)  5.61         5.91         5.95
+1x32000 fp16 (62.5)    **4.29** (block)     4.90         5.98         4.51
+=====================  ===================  ===========  ===========  =============
+
+So dispatch also prefers it for 2 to 49 rows (``MEDIUM_ROWS_AN_SM`` of 132 SMs) of 60 KiB
+to 240 KiB, in parts of about 16 KiB (``MEDIUM_PART_BYTES``): 9-40% less time on the nine
+such shapes above; 64 rows lose (a block a row nearly fills the SMs), and so does one
+row of 62.5 KiB, where the fold costs more than the split saves (one row of 196 KiB
+fp32 won, but one row of 125 KiB lost in the table before: one row stays out). It comes
+first in dispatch order so that it also displaces ``cross_entropy_aligned_rows`` (odd
+rows). Inputs under 1 MB stay 4-7x an empty launch (0.92 us) at best: a kernel that
+reads, reduces a row across blocks and folds the batch in its last block has a chain of
+dependent steps that an empty kernel does not.
+
 Applies to cross entropy (any reduction, weight and smoothing: the parts carry the
 online decomposition's extra sums) of at most ``MAX_ROWS`` rows, about two an SM, where
 a block a row stops filling the GPU; the fold runs a row a lane of one block.
@@ -111,6 +146,12 @@ SPLITS = [2 ** k for k in range(1, SPLIT_GRAIN.bit_length())]  # 2 to 64: each d
 PART_BYTES = 32 * 1024  # the default's part: the best split of every row of 250 KiB and more (docstring)
 PREFERRED_ROW_BYTES = 240 * 1024  # dispatch prefers it from rows of 240 KiB (128256 bf16: 250.5) ...
 ROWS_AN_SM = 0.5  # ... for at most half a row an SM (66 rows on 132 SMs)
+# Medium rows (docstring, "Medium rows"): from 60 KiB (32000 fp16: 62.5) to PREFERRED_ROW_BYTES,
+# at least two rows and at most 0.375 a SM (49 of 132: 48x32000 won, 64x50257 lost), in parts
+# of about 16 KiB.
+MEDIUM_ROW_BYTES = 60 * 1024
+MEDIUM_ROWS_AN_SM = 0.375
+MEDIUM_PART_BYTES = 16 * 1024
 
 
 @dataclass(frozen=True)
@@ -133,9 +174,12 @@ class CrossEntropySplitRow(Candidate):
         return problem.op == self.op and problem.batch <= MAX_ROWS and self.chunks(problem) >= 2 * SPLITS[0]
 
     def prefers(self, problem: CrossEntropyProblem, target: Target) -> bool:
-        # H100, 2026-12-06 (docstring): 18-63% faster on 8 to 64 rows of 250-500 KiB.
-        return (problem.batch <= ROWS_AN_SM * sm_count(target)
-                and self.row_bytes(problem) >= PREFERRED_ROW_BYTES)
+        # H100, 2026-12-06 (docstring): 18-63% faster on 8 to 64 rows of 250-500 KiB, and
+        # 9-40% less time on 2 to 48 rows of 60-240 KiB.
+        rows, row = problem.batch, self.row_bytes(problem)
+        if row >= PREFERRED_ROW_BYTES:
+            return rows <= ROWS_AN_SM * sm_count(target)
+        return row >= MEDIUM_ROW_BYTES and 2 <= rows <= MEDIUM_ROWS_AN_SM * sm_count(target)
 
     @staticmethod
     def row_bytes(problem: CrossEntropyProblem) -> int:
@@ -151,9 +195,11 @@ class CrossEntropySplitRow(Candidate):
         return {"splits": splits, "threads": [128, 256, 512], "unroll": [4, 16]}
 
     def default_for(self, problem: CrossEntropyProblem, target: Target) -> SplitRowKnobs:
-        # The split whose parts are nearest PART_BYTES, nearest by ratio (log2).
+        # The split whose parts are nearest PART_BYTES (MEDIUM_PART_BYTES on rows under
+        # PREFERRED_ROW_BYTES), nearest by ratio (log2).
         splits = self.choices(problem, target)["splits"]
-        wanted = math.log2(max(1.0, self.row_bytes(problem) / PART_BYTES))
+        row = self.row_bytes(problem)
+        wanted = math.log2(max(1.0, row / (PART_BYTES if row >= PREFERRED_ROW_BYTES else MEDIUM_PART_BYTES)))
         split = min(splits, key=lambda s: (abs(math.log2(s) - wanted), s))
         per_part = -(-self.chunks(problem) // split)
         threads = 128 if per_part <= 256 else 256
