@@ -420,6 +420,9 @@ def check_in_place(logits, target, weight, kwargs, dtype, contiguous=True):
     upstream = torch.rand(loss.shape, device=loss.device) + 0.5
     (grad,) = torch.autograd.grad(loss, x, upstream)
     assert grad.data_ptr() == x.data_ptr()
+    # A gradient, not the logits themselves: outside the graph (no grad_fn leading back
+    # into the layers that made the logits), as any backward's result.
+    assert grad is not x and grad.grad_fn is None and not grad.requires_grad
     ref_loss, ref_grad = reference(logits, target, weight, upstream, **kwargs)
     loss_rtol, grad_tol = TOL[dtype]
     grad_tol = max(grad_tol, 1e-5 * math.log2(logits.shape[1] + 1) / 4)

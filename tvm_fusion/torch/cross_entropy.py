@@ -251,6 +251,9 @@ class _CrossEntropy(torch.autograd.Function):
                                       check_targets, inplace_backward)
         if inplace_backward:  # the logits now hold the gradient: autograd's saved uses of them must fail
             torch.autograd.graph.increment_version(logits)
+            # dlogits is the logits tensor itself, in the graph (its grad_fn leads back into
+            # the layers that made it): the backward hands out a detached alias instead
+            dlogits = dlogits.detach()
         ctx.dlogits, ctx.reduction = dlogits, reduction  # not saved tensors: scaled in place once
         return loss
 
