@@ -27,7 +27,10 @@ torch = torch_or_none()
 CASES = [((128, 32000), "float16", {}), ((4, 50257), "float16", {}), ((1, 32000), "float32", {}),
          ((128, 32000), "bfloat16", {"reduction": "none"}),
          ((96, 5000), "float32", {"reduction": "sum", "weight": True, "label_smoothing": 0.1}),
-         ((512, 1001), "float16", {"reduction": "sum"})]
+         ((512, 1001), "float16", {"reduction": "sum"}),
+         # medium rows (dispatch's since d3e5d23: parts of about 16 KiB), with options
+         ((8, 32000), "bfloat16", {"reduction": "sum", "weight": True, "label_smoothing": 0.1}),
+         ((2, 65536), "float32", {"reduction": "none"}), ((48, 50257), "float16", {"label_smoothing": 0.05})]
 
 
 def problem(shape, dtype, options):
