@@ -175,8 +175,8 @@ def peer_status(wrong: str | None) -> str:
     the comparison they would make. torch's float16 cross entropy over 65536 rows is
     one: the mean's total weight, 65536, is past float16's largest finite value
     (65504), and the gradient's target entries come out 0 instead of about -1/65536,
-    off by their full size (the H200 bench of 65536x1000; on the CPU the loss is inf
-    from 65504 rows on, tests/test_bench_train.py)."""
+    off by their full size (the H200 bench of 65536x1000; on the CPU the loss itself is
+    inf from 65504 rows on, tried by hand; tests/test_bench_train.py flags 65536 rows)."""
     return "ok" if wrong is None else f"{wrong}; timed anyway (a peer)"
 
 
