@@ -14,6 +14,7 @@ against float64 torch (row blocks, so the largest shapes fit).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -46,13 +47,14 @@ class Step:
     in_place: bool = False  # writes the gradient over the logits: needs its own copies
 
 
+@functools.cache
 def _layer_output():
     """An autograd Function standing for the layer that made the logits: its output is a
     non-leaf tensor on the input's memory (no copy, no kernel), its backward passes the
     gradient through. The in-place steps (``inplace_backward``, Liger, Quack) take their
     logits from it: a training step's logits come out of a layer, and
     ``tvm_fusion.torch`` refuses, as torch does for in-place writes, to overwrite a leaf
-    that requires grad. The same for every in-place peer, so each pays its host cost."""
+    that requires grad. The same for every in-place peer, so each pays its host cost. Made once."""
     import torch
 
     class LayerOutput(torch.autograd.Function):

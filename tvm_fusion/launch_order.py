@@ -45,6 +45,7 @@ from tvm import tirx
 
 from . import async_rounds, grid_barrier, store_hints
 from .compute import PARTITION_LIKELY_ATTR
+from .stmts import map_children
 
 # TVM 0.27's UnrollLoop multiplies a loop's extent by its body's steps in a C int and
 # unrolls the loop when the product is at most ``auto_max_step`` (0 by default: no
@@ -117,22 +118,10 @@ def _reversed(marked: tirx.AttrStmt, found: list) -> tirx.Stmt:
 def _walk(stmt: tirx.Stmt, found: list) -> tirx.Stmt:
     """``stmt`` with every marked loop under it reversed (and unmarked, or only
     unmarked when :data:`ENABLED` is off); each mark met is appended to ``found``."""
-    if isinstance(stmt, tirx.SeqStmt):
-        return tirx.SeqStmt([_walk(s, found) for s in stmt.seq])
-    if isinstance(stmt, tirx.AttrStmt):
-        if stmt.attr_key == KEY:
-            found.append(stmt)
-            return _reversed(stmt, found) if ENABLED else _walk(stmt.body, found)
-        return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, _walk(stmt.body, found))
-    if isinstance(stmt, tirx.For):
-        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, _walk(stmt.body, found),
-                        stmt.thread_binding, stmt.annotations)
-    if isinstance(stmt, tirx.IfThenElse):
-        return tirx.IfThenElse(stmt.condition, _walk(stmt.then_case, found),
-                               None if stmt.else_case is None else _walk(stmt.else_case, found))
-    if isinstance(stmt, tirx.While):
-        return tirx.While(stmt.condition, _walk(stmt.body, found))
-    return stmt
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == KEY:
+        found.append(stmt)
+        return _reversed(stmt, found) if ENABLED else _walk(stmt.body, found)
+    return map_children(stmt, lambda child: _walk(child, found))
 
 
 def reverse_marked(func: tirx.PrimFunc, marks: int | None = None) -> tirx.PrimFunc:

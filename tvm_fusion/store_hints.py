@@ -53,6 +53,8 @@ from typing import Any
 import tvm
 from tvm import tirx
 
+from .stmts import map_children
+
 ENABLED = os.environ.get("TVM_FUSION_EVICT_FIRST", "1") != "0"
 BUFFERS = ("dlogits",)
 # The gradients this applies to: larger than the H100's and H200's 50 MB L2.
@@ -84,8 +86,7 @@ def evict_first(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
 
 def _walk(stmt: tirx.Stmt) -> tirx.Stmt:
-    """``stmt`` with each hinted store rewritten (the statements with bodies of a
-    lowered function walked as ``launch_order`` walks them)."""
+    """``stmt`` with each hinted store rewritten."""
     if isinstance(stmt, tirx.BufferStore):
         # A scalar store (a vector one is left as it is; so is a value that is no
         # scalar expression, such as a tensor load)
@@ -95,26 +96,7 @@ def _walk(stmt: tirx.Stmt) -> tirx.Stmt:
             address = tirx.address_of(tirx.BufferLoad(stmt.buffer, stmt.indices))
             return tirx.Evaluate(tirx.call_extern("void", "__stcs", address, stmt.value))
         return stmt
-    if isinstance(stmt, tirx.SeqStmt):
-        seq = [_walk(s) for s in stmt.seq]
-        return stmt if all(a.same_as(b) for a, b in zip(seq, stmt.seq)) else tirx.SeqStmt(seq)
-    if isinstance(stmt, tirx.AttrStmt):
-        body = _walk(stmt.body)
-        return stmt if body.same_as(stmt.body) else tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
-    if isinstance(stmt, tirx.For):
-        body = _walk(stmt.body)
-        return stmt if body.same_as(stmt.body) else tirx.For(
-            stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
-    if isinstance(stmt, tirx.IfThenElse):
-        then_case = _walk(stmt.then_case)
-        else_case = None if stmt.else_case is None else _walk(stmt.else_case)
-        if then_case.same_as(stmt.then_case) and (else_case is None or else_case.same_as(stmt.else_case)):
-            return stmt
-        return tirx.IfThenElse(stmt.condition, then_case, else_case)
-    if isinstance(stmt, tirx.While):
-        body = _walk(stmt.body)
-        return stmt if body.same_as(stmt.body) else tirx.While(stmt.condition, body)
-    return stmt
+    return map_children(stmt, _walk)
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.EvictFirstStores")

@@ -1,0 +1,35 @@
+"""Rebuilding a lowered TIR statement around rewritten children: TVM 0.27's Python has
+no statement mutator (``ir_transform``), so the lowering passes (``launch_order``'s
+loop reversal, ``store_hints``' evict-first stores) walk statements with this."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from tvm import tirx
+
+
+def map_children(stmt: tirx.Stmt, fn: Callable[[tirx.Stmt], tirx.Stmt]) -> tirx.Stmt:
+    """``stmt`` with ``fn`` applied to each child statement of a container (``SeqStmt``,
+    ``AttrStmt``, ``For``, ``IfThenElse``, ``While``); ``stmt`` itself where no child
+    changed, and any other statement as it is."""
+    if isinstance(stmt, tirx.SeqStmt):
+        seq = [fn(s) for s in stmt.seq]
+        return stmt if all(a.same_as(b) for a, b in zip(seq, stmt.seq)) else tirx.SeqStmt(seq)
+    if isinstance(stmt, tirx.AttrStmt):
+        body = fn(stmt.body)
+        return stmt if body.same_as(stmt.body) else tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
+    if isinstance(stmt, tirx.For):
+        body = fn(stmt.body)
+        return stmt if body.same_as(stmt.body) else tirx.For(
+            stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
+    if isinstance(stmt, tirx.IfThenElse):
+        then_case = fn(stmt.then_case)
+        else_case = None if stmt.else_case is None else fn(stmt.else_case)
+        if then_case.same_as(stmt.then_case) and (else_case is None or else_case.same_as(stmt.else_case)):
+            return stmt
+        return tirx.IfThenElse(stmt.condition, then_case, else_case)
+    if isinstance(stmt, tirx.While):
+        body = fn(stmt.body)
+        return stmt if body.same_as(stmt.body) else tirx.While(stmt.condition, body)
+    return stmt
