@@ -755,6 +755,25 @@ def test_in_place_candidates_exclude_warp_per_row_and_cover_every_row_length():
         assert names and "cross_entropy_grad_warp_per_row" not in names
 
 
+def test_in_place_gradient_takes_its_out_of_place_records_candidate_where_it_applies():
+    """No tune times a gradient in place: dispatch reapplies the out-of-place twin's
+    record (the shipped sm_90 log's), and where that candidate cannot write in place
+    (the warp-per-row kernels) falls through to the heuristic, never to a kernel that
+    refuses the problem."""
+    for shape, dtype in [((8192, 128256), "bfloat16"), ((16384, 50257), "bfloat16"), ((4096, 32000), "float16")]:
+        out_of_place = cross_entropy_grad_problem(shape, dtype, mode="fused")
+        in_place = dataclasses.replace(out_of_place, in_place=True)
+        record, twin = dispatch.choose(out_of_place, CUDA), dispatch.choose(in_place, CUDA)
+        assert record.source == "record" and twin.source == "record (out of place)", (shape, record, twin)
+        assert (twin.candidate, twin.knobs) == (record.candidate, record.knobs)
+        assert "out of place" in dispatch.explain(in_place, CUDA)
+    out_of_place = cross_entropy_grad_problem((65536, 1000), "float16", mode="fused")
+    assert "warp_per_row" in dispatch.choose(out_of_place, CUDA).candidate
+    in_place = dispatch.choose(dataclasses.replace(out_of_place, in_place=True), CUDA)
+    assert in_place.source == "heuristic" and registry.get(in_place.candidate).applies(
+        dataclasses.replace(out_of_place, in_place=True))
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 def test_in_place_kernel_compiles_without_spills():
     problem = cross_entropy_grad_problem((4096, 32000), "float16", mode="fused", in_place=True)

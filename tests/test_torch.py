@@ -509,7 +509,11 @@ def in_place_kernel_cases():
 
     problems = [tf.make_problem("cross_entropy_grad", shape, dtype, in_place=True, **options)
                 for shape, dtype, options in [((300, 1000), "float16", {}), ((64, 50257), "bfloat16", {"label_smoothing": 0.1}),
-                                              ((33, 4096), "float32", {"reduction": "none", "weight": True})]]
+                                              ((33, 4096), "float32", {"reduction": "none", "weight": True}),
+                                              # rows past shared memory: cross_entropy_grad_head_in_shared in place
+                                              ((7, 128256), "bfloat16", {}),
+                                              ((5, 73736), "float16", {"label_smoothing": 0.1, "weight": True,
+                                                                       "reduction": "none"})]]
     yield from candidate_params(problems, targets.resolve({"kind": "cuda", "arch": "sm_90"}), 3)
 
 

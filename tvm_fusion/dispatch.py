@@ -2,7 +2,8 @@
 
 Order: a tuning record for this exact problem (the fastest across decompositions and
 logs), else a record for the same shape with default options (its candidate and
-knobs reapplied to these options), else, when a cost-model file lies beside the
+knobs reapplied to these options) or, for a gradient written in place, one of the
+same problem out of place (``_stand_ins``), else, when a cost-model file lies beside the
 target's logs in a searched folder (``cost_model_<target key>.json``, see
 :mod:`tvm_fusion.cost_model`), its fastest predicted candidate and knobs, else the
 registry's heuristic: the first applicable candidate in ``DISPATCH_ORDER`` that
@@ -27,7 +28,7 @@ from tvm.target import Target
 
 from . import cost_model, records, registry
 from .compute import ALGORITHMS, prim_func
-from .contracts import CrossEntropyProblem, Problem
+from .contracts import CrossEntropyGradProblem, CrossEntropyProblem, Problem
 from .kernel import Kernel, build_kernel, schedule_for
 from .registry import Knobs
 
@@ -36,7 +37,7 @@ from .registry import Knobs
 class Choice:
     candidate: str
     knobs: Knobs
-    source: str  # "record", "record (default options)", "cost model" or "heuristic"
+    source: str  # "record", "record (default options)", "record (out of place)", "cost model" or "heuristic"
     reason: str
     mod: tvm.IRModule | None = None  # the record's scheduled module, when exact
 
@@ -126,12 +127,12 @@ def _choose(problem: Problem, target: Target, log_dir: str | os.PathLike | None)
     if found is not None:
         return Choice(found.candidate, found.knobs, "record",
                       f"tuning record in {found.path}: {found.seconds * 1e3:.4f} ms{found.note}", found.mod)
-    if isinstance(problem, CrossEntropyProblem) and problem != problem.canonical():
-        found = best_record(problem.canonical(), target, log_dir)
+    for relative, source, what in _stand_ins(problem):
+        found = best_record(relative, target, log_dir)
         if found is not None and registry.get(found.candidate).applies(problem):
-            return Choice(found.candidate, found.knobs, "record (default options)",
-                          f"tuning record of the same shape with default options in {found.path} "
-                          f"({found.seconds * 1e3:.4f} ms); its candidate and knobs reapplied")
+            return Choice(found.candidate, found.knobs, source,
+                          f"tuning record of {what} in {found.path} ({found.seconds * 1e3:.4f} ms); "
+                          f"its candidate and knobs reapplied")
     cand = registry.default_candidate(problem, target)
     names = [c.name for c in registry.applicable(problem, target)]
     heuristic = (f"no tuning record; first of the applicable candidates {names} in dispatch "
@@ -145,6 +146,26 @@ def _choose(problem: Problem, target: Target, log_dir: str | os.PathLike | None)
     if predicted is not None:
         return predicted
     return Choice(cand.name, cand.default_for(problem, target), "heuristic", heuristic)
+
+
+def _stand_ins(problem: Problem) -> list[tuple[Problem, str, str]]:
+    """Problems whose records stand in for ``problem``'s when it has none of its own, as
+    (problem, ``Choice.source``, what it is): a cross entropy of the same shape with
+    default options; a gradient written over the logits (``in_place``), its
+    out-of-place twin. The twin moves the same bytes (one read of the logits, one
+    write of the gradient), and no tune has timed a gradient in place: without the
+    twin, in-place 8192x128256 bf16 took the heuristic's ``cross_entropy_grad_online``
+    at 512 threads, 2.4205 ms under graph replay against the twin record's
+    ``cross_entropy_grad_head_in_shared`` out of place at 1.6189 (H100, 2026-12-06,
+    rows "probe: in-place fused gradient knobs" of results/benchmarks.csv). Only a
+    record whose candidate applies to ``problem`` is taken."""
+    found = []
+    if isinstance(problem, CrossEntropyProblem) and problem != problem.canonical():
+        found.append((problem.canonical(), "record (default options)", "the same shape with default options"))
+    if isinstance(problem, CrossEntropyGradProblem) and problem.in_place:
+        found.append((dataclasses.replace(problem, in_place=False), "record (out of place)",
+                      "the same problem out of place"))
+    return found
 
 
 def _cost_model_choice(problem: Problem, target: Target,

@@ -90,7 +90,7 @@ class CrossEntropyGradHeadInShared(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
-        return (problem.op == self.op and problem.mode == "fused" and not problem.in_place
+        return (problem.op == self.op and problem.mode == "fused"
                 and reads_16_bytes(problem.dtype, problem.classes)
                 and problem.classes * DTYPE_BYTES[problem.dtype] > ROW_BYTES_MAX and problem.classes > HEAD_GRAIN)
 
