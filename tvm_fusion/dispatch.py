@@ -155,10 +155,10 @@ def _stand_ins(problem: Problem) -> list[tuple[Problem, str, str]]:
     out-of-place twin. The twin moves the same bytes (one read of the logits, one
     write of the gradient), and no tune has timed a gradient in place: without the
     twin, in-place 8192x128256 bf16 took the heuristic's ``cross_entropy_grad_online``
-    at 512 threads, 2.4205 ms under graph replay against the twin record's
-    ``cross_entropy_grad_head_in_shared`` out of place at 1.6189 (H100, 2026-12-06,
-    rows "probe: in-place fused gradient knobs" of results/benchmarks.csv). Only a
-    record whose candidate applies to ``problem`` is taken."""
+    at 512 threads, 2.4205 ms under graph replay; with it, the twin record's
+    ``cross_entropy_grad_head_in_shared`` in place, 1.7712 (1.6189 out of place; H100,
+    2026-12-06, rows "probe: in-place fused gradient" of results/benchmarks.csv). Only
+    a record whose candidate applies to ``problem`` is taken."""
     found = []
     if isinstance(problem, CrossEntropyProblem) and problem != problem.canonical():
         found.append((problem.canonical(), "record (default options)", "the same shape with default options"))

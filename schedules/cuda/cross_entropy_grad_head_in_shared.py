@@ -47,10 +47,25 @@ needs every consumer of a staged block under the loop, and the map reads the cop
 it); the row split in the schedule (``loop_partition`` leaves a loop that starts at H,
 which ``split`` refuses), hence the ``likely`` test and the build's partition.
 
-Applies to the fused gradient out of place, 16-byte rows (V a multiple of a 16-byte
-chunk's values) over ``ROW_BYTES_MAX`` (shorter rows fit whole:
-``cross_entropy_grad_row_in_shared``) and over one ``HEAD_GRAIN``. Not preferred: the
-tuner's to pick until an H200 A/B says where it wins.
+Applies to the fused gradient, 16-byte rows (V a multiple of a 16-byte chunk's values)
+over ``ROW_BYTES_MAX`` (shorter rows fit whole: ``cross_entropy_grad_row_in_shared``)
+and over one ``HEAD_GRAIN``. Not preferred: the tuner's to pick until an H200 A/B says
+where it wins.
+
+In place (``inplace_backward``, the gradient over the logits) as well since ee99dad:
+the row's reads all come before the statistics' block-wide barriers, and after them
+each lane re-reads (from the copy or the logits) exactly the vectors it then
+overwrites, so no lane reads what another has written. Dispatch reapplies the
+out-of-place record there (``dispatch._stand_ins``). H100, 2026-12-06 (rows "probe:
+in-place fused gradient, head_in_shared in place" of results/benchmarks.csv, graph
+replay): 8192x128256 bf16 in place 1.7712 ms at batch 4 (1.8031 at 2) against
+``cross_entropy_grad_online``'s 1.9328 at its best in-place knobs, 1.6189 out of place;
+4096x151936 bf16 1.0952 against 1.1787, 1.1362 out of place. The 9% in place loses on
+8192x128256 is likely the tail: without ``__restrict__`` nvcc keeps each tail load
+behind the previous vector's store (the row kernel's PTX alternates ``ld.global.v4``
+and ``st.global.v4`` there; out of place the tail's ``ld.global.nc.v4`` are hoisted
+above the stores), so a lane's tail vectors are no longer in flight together. Not
+yet timed apart.
 """
 
 from __future__ import annotations
