@@ -49,8 +49,8 @@ which ``split`` refuses), hence the ``likely`` test and the build's partition.
 
 Applies to the fused gradient, 16-byte rows (V a multiple of a 16-byte chunk's values)
 over ``ROW_BYTES_MAX`` (shorter rows fit whole: ``cross_entropy_grad_row_in_shared``)
-and over one ``HEAD_GRAIN``. Not preferred: the tuner's to pick until an H200 A/B says
-where it wins.
+and over one ``HEAD_GRAIN``. It has no ``prefers``, so where it applies it is the
+heuristic's pick too (it comes before ``cross_entropy_grad_online`` in dispatch order).
 
 In place (``inplace_backward``, the gradient over the logits) as well since ee99dad:
 the row's reads all come before the statistics' block-wide barriers, and after them
