@@ -50,6 +50,7 @@ from .cuda import (  # noqa: F401
     cross_entropy_grad_block_per_row,
     cross_entropy_grad_from_lse_block_per_row,
     cross_entropy_grad_from_lse_warp_per_row,
+    cross_entropy_grad_granules_in_shared,
     cross_entropy_grad_head_in_shared,
     cross_entropy_grad_online,
     cross_entropy_grad_row_in_shared,
@@ -84,6 +85,7 @@ DISPATCH_ORDER = {
     ],
     # Each candidate computes one mode (problem.mode): fused or from_lse.
     ("cross_entropy_grad", "cuda"): [
+        "cross_entropy_grad_granules_in_shared",
         "cross_entropy_grad_window_in_shared",
         "cross_entropy_grad_warp_per_row_padded",
         "cross_entropy_grad_row_in_shared",

@@ -53,8 +53,11 @@ def grad_problem(shape, dtype, **options):
 
 
 # -- predicates -----------------------------------------------------------------------
-def test_registered_first_in_dispatch_order():
-    assert schedules.DISPATCH_ORDER[("cross_entropy_grad", "cuda")][0] == NAME
+def test_registered_right_after_the_granules_candidate():
+    """Its decomposition's twin, ``cross_entropy_grad_granules_in_shared`` (the same window,
+    the gradient stored by granules), comes first."""
+    order = schedules.DISPATCH_ORDER[("cross_entropy_grad", "cuda")]
+    assert order[:2] == ["cross_entropy_grad_granules_in_shared", NAME]
 
 
 @pytest.mark.parametrize("shape, dtype, fits", [

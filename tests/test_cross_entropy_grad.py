@@ -242,7 +242,7 @@ def run_unscheduled(func, inputs):
 def test_decompositions_unscheduled(algorithm, reduction, weighted, smoothing):
     gen = rng()
     # padded: whole granules; window: B V a multiple of a granule (4 float32 values)
-    batch, classes = {"fused_padded": (9, 40), "fused_window": (12, 37)}.get(algorithm, (9, 37))
+    batch, classes = {"fused_padded": (9, 40), "fused_window": (12, 37), "fused_granules": (12, 37)}.get(algorithm, (9, 37))
     logits, target, weight = case(gen, batch, classes, weighted=weighted)
     target[1] = -100
     problem = problem_for(logits, target, weight, reduction, smoothing, MODE_OF[algorithm])

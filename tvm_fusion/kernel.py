@@ -25,7 +25,7 @@ import tvm_ffi
 import tvm.support.nvcc  # noqa: F401  (registers the CUDA JIT callback used at load on a GPU)
 from tvm.target import Target
 
-from . import launch_order, registry, single_launch, store_hints, targets
+from . import granule_stores, launch_order, registry, single_launch, store_hints, targets
 from .compute import prim_func
 from .contracts import Problem
 from .registry import Knobs
@@ -237,6 +237,7 @@ def compiled_form(mod: tvm.IRModule, problem: Problem,
     after the CUDA runtime had gone (``cudaErrorCudartUnloading``). As parameters,
     the launchers pass buffers of their own per stream (``arrays.Kind.scratch``)."""
     reduced = getattr(problem, "reduction", "none") != "none"
+    mod = granule_stores.module_stores_in_place(mod)  # before its buffers could become workspace
     return with_param_alignment(mod, PARAM_ALIGNMENT, SCALAR_PARAMS if reduced else (), dict(input_shapes),
                                 workspace=workspace)
 

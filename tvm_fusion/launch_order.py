@@ -43,7 +43,7 @@ from typing import Any
 import tvm
 from tvm import tirx
 
-from . import async_rounds, grid_barrier, store_hints
+from . import async_rounds, granule_stores, grid_barrier, store_hints
 from .compute import PARTITION_LIKELY_ATTR
 from .stmts import map_children
 
@@ -190,7 +190,8 @@ def tail() -> tvm.transform.Pass:
 
 
 def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IRModule:
-    """``mod`` through ``pipeline`` (``s_tir``'s) without its :data:`TAIL`, marked loops
+    """``mod`` (its granule maps stored into their outputs: :mod:`tvm_fusion.granule_stores`)
+    through ``pipeline`` (``s_tir``'s) without its :data:`TAIL`, marked loops
     reversed and grid barriers inserted (:func:`marked_loops`); with loop partition on
     const loops where a function asks for it (the
     :data:`~tvm_fusion.compute.PARTITION_LIKELY_ATTR` attribute of the decompositions in
@@ -205,6 +206,7 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
     pipelined = async_rounds.wanted(mod)
     if pipelined:
         config, disabled = async_rounds.lowering_config(config, disabled)
+    mod = granule_stores.module_stores_in_place(mod)  # a tuner's build: no compiled_form before
     with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
                                    disabled_pass=disabled, config=config, instruments=list(ctx.instruments)):
         mod = pipeline(mod)

@@ -58,6 +58,14 @@ and ``W = ceil((V + c - 1) / c)`` (the most granules a row touches):
        ``k = c g + v - a_i`` of the row where ``0 <= k < V`` (-inf / 0 elsewhere: the
        head's and tail's neighbours in the granules shared with the next rows)
     3-5. as ``fused``; ``dlogits[i, k]`` reads ``window[i, (k + a_i) / c, (k + a_i) mod c]``.
+``fused_granules``  ``fused_window`` with the map laid out as the window: ``dlogits_granules[i,
+g, v]`` (B, W, c) is the gradient of window position (g, v), row element ``k = c g + v -
+a_i`` (the weight and the target compared at k clamped into the row), and ``dlogits[i,
+k] = dlogits_granules[i, (k + a_i) / c, (k + a_i) mod c]`` gathers it. Unscheduled, that
+is a copy. Built, :mod:`tvm_fusion.granule_stores` stores each granule of the map straight
+into ``dlogits`` instead (granule g of the window is 16-byte granule ``floor(iV / c) + g``
+of the flat gradient: one 16-byte store a granule inside the row, the row's own
+elements of the edge granules one at a time) and drops the gather.
 ``from_lse``  ``t(R) -> denom | w(R) -> W | coef(S) -> dlogits(SS)``
     0. ``denom`` (mean) over the targets and ``weight_total`` (W, with weight and
        smoothing) over the weight, each a first small pass; 3. the coefficients;
@@ -107,7 +115,7 @@ from .cross_entropy import (
 from .primitives import DUAL_SUM, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen
 
 ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp", "fused_padded",
-              "fused_window", "fused_head")
+              "fused_window", "fused_head", "fused_granules")
 MODE_OF = {name: "from_lse" if name.startswith("from_lse") else "fused" for name in ALGORITHMS}
 DEFAULT_FOR_MODE = {"fused": "fused", "from_lse": "from_lse"}
 # The forward decomposition whose row statistics each fused decomposition reuses.
@@ -190,8 +198,8 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
 
             target_logit = te.compute(rows, target_logit_value, name="target_logit")
             x_loss = lambda i, _k: target_logit[i]  # noqa: E731
-        if algorithm == "fused_window":  # dlogits reads the row from the window
-            x_map, row_max, row_sumexp, extra = window_statistics(problem, logits, weight, idx)
+        if algorithm in WINDOWED:  # dlogits reads the row from the window
+            x_map, row_max, row_sumexp, extra, window = window_statistics(problem, logits, weight, idx)
         elif algorithm == "fused_head":  # the row's head from its copy, the tail from the logits
             row_src, map_src = head_sources(problem, logits, idx)
             row_max, row_sumexp, extra = row_statistics(problem, row_src, weight, STATISTICS[algorithm], idx)
@@ -258,14 +266,19 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
     grad_t = te.compute(rows, coef_t, name="grad_t")
 
     # 4. The map over the row.
-    def grad_body(i, v):
-        g = grad_a[i] * exp(x_map(i, v) - shift[i])
+    def grad_value(i, v, xv, weight_at=None):
+        """The gradient of row i's class v, whose logit (widened) is ``xv``; the weight
+        read at ``weight_at`` (v by default)."""
+        g = grad_a[i] * exp(xv - shift[i])
         g = g - tirx.Select(v == grad_t[i], grad_b[i], tirx.const(0.0, F32))
         if smoothing:
-            g = g - grad_c[i] * (weight[v] if weighted else tirx.const(1.0, F32))
+            g = g - grad_c[i] * (weight[v if weight_at is None else weight_at] if weighted else tirx.const(1.0, F32))
         return g if problem.dtype == F32 else g.astype(problem.dtype)
 
-    dlogits = te.compute((batch, classes), grad_body, name="dlogits")
+    if fused and algorithm == "fused_granules":
+        dlogits = granule_map(problem, window, grad_value, idx)
+    else:
+        dlogits = te.compute((batch, classes), lambda i, v: grad_value(i, v, x_map(i, v)), name="dlogits")
 
     if not fused:
         return params + [t for t in (denom, weight_total) if t is not None] + [dlogits]
@@ -305,9 +318,10 @@ def window_granules(problem) -> int:
 
 
 def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx: str) -> tuple:
-    """``fused_window``'s steps 1-2: ``(x, row_max, row_sumexp, extra)``, ``x(i, k)`` the
-    row's element k read from the window (what ``dlogits`` reads), the rest as
-    :func:`compute.cross_entropy.row_statistics` gives them."""
+    """``fused_window``'s steps 1-2: ``(x, row_max, row_sumexp, extra, window)``, ``x(i,
+    k)`` the row's element k read from the window (what ``dlogits`` reads), the
+    statistics as :func:`compute.cross_entropy.row_statistics` gives them, and the
+    window itself."""
     batch, classes = dims(problem.shape, idx)
     c = granule(problem.dtype)
     count = window_granules(problem)
@@ -362,7 +376,39 @@ def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx:
         e = k + start(i)
         return widen(window[i, tirx.floordiv(e, C), tirx.floormod(e, C)], problem.dtype)
 
-    return x, row_max, stats[0], list(stats[1:])
+    return x, row_max, stats[0], list(stats[1:]), window
+
+
+# The decompositions that read the row from its window (``window_statistics``).
+WINDOWED = ("fused_window", "fused_granules")
+GRANULES = "dlogits_granules"  # fused_granules' map, laid out as the window
+
+
+def granule_map(problem, window: te.Tensor, grad_value, idx: str) -> te.Tensor:
+    """``fused_granules``' step 4: the map over the window's positions, ``GRANULES`` (B, W,
+    c), then ``dlogits`` gathered from it (what a build replaces with stores of the
+    granules themselves: :mod:`tvm_fusion.granule_stores`). A position outside the row
+    (the edge granules' neighbours) computes a value never stored, with the weight of
+    the row's nearest class (a read inside the weight)."""
+    batch, classes = dims(problem.shape, idx)
+    _, count, c = (int(d) for d in window.shape)
+    C, V = tirx.IntImm(idx, c), classes
+    zero, last = tirx.IntImm(idx, 0), tirx.IntImm(idx, problem.classes - 1)
+
+    def start(i):  # a_i
+        return tirx.floormod(i * V, C)
+
+    def position(i, g, v):
+        k = g * C + v - start(i)
+        return grad_value(i, k, widen(window[i, g, v], problem.dtype), tirx.min(tirx.max(k, zero), last))
+
+    granules = te.compute([batch, tirx.IntImm(idx, count), C], position, name=GRANULES)
+
+    def gathered(i, k):
+        e = k + start(i)
+        return granules[i, tirx.floordiv(e, C), tirx.floormod(e, C)]
+
+    return te.compute([batch, classes], gathered, name="dlogits")
 
 
 HEAD_BYTES = 192 * 1024  # the most of a row fused_head keeps on chip (one block an SM)

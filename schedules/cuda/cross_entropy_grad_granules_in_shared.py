@@ -1,0 +1,93 @@
+"""Cross entropy and its gradient for rows off the 16-byte grid: the row's window in shared
+memory, the gradient stored a 16-byte granule at a time.
+
+Pattern ``t(R) -> denom, first_bad | x -> window(SSS) -> max(S) -> exp, sum(S) -> lse,
+row_loss, coef(S) -> dlogits by granules(SSS) | row_loss(R) -> loss``, the
+``fused_granules`` decomposition: ``cross_entropy_grad_window_in_shared``'s window (the
+row's 16-byte granules of the *flat* logits, each one aligned load, copied into dynamic
+shared memory) and statistics, with the map laid out as the window: lane ``t`` of step
+``s`` takes window granule ``s threads + t``, one 16-byte shared load, computes its c
+gradients in float32 and stores them into granule ``floor(iV / c) + g`` of the flat
+gradient with one 16-byte store (:mod:`tvm_fusion.granule_stores` turns the map's
+store into that one, under the test that the granule lies inside the row; the edge
+granules, the first and the last one or two, store the row's own elements one at a
+time).
+
+Kernel 1, one block: the targets pass. Kernel 2, grid (B,):
+1. Every per-row block shares one row loop bound to ``blockIdx.x``.
+2. The window into shared memory, a 16-byte load and store per granule.
+3. ``row_max`` then ``row_sumexp`` over the window, 16 bytes at a time, the elements
+   outside the row masked; both statistics in every thread's registers.
+4. ``dlogits_granules``: the map by granules as above.
+5. Thread 0 writes ``lse`` and the row loss.
+Kernel 3, one block: the loss.
+
+Why: the window candidate reads the logits once, but its map takes one element a lane
+a step (index arithmetic, a 2-byte shared load and a 2-byte store an element) and it
+was bound by issue, about 35 instructions an element over its three sweeps
+(``cross_entropy_grad_window_in_shared``'s docstring: 16384x50257 bf16 1.5282 ms on
+the H200 against 1.4152 for the online candidate). By granules the map is a 16-byte
+load, c exps and one 16-byte store per c elements, a third of the instructions.
+
+Applies where the window candidate does (rows off the 16-byte grid, ``B V`` a
+multiple of a granule, the window within ``ROW_BYTES_MAX``), not in place.
+"""
+
+from __future__ import annotations
+
+from tvm.target import Target
+
+from tvm_fusion.compute.cross_entropy_grad import GRANULES
+from tvm_fusion.compute.primitives import granule
+from tvm_fusion.contracts import CrossEntropyGradProblem
+from tvm_fusion.registry import register
+
+from ..common import coefficients_at, lanes_split, merge_rows, outputs_to, row_loss_name, single_thread, thread_reduce
+from .common import MAX_THREADS, grad_map, schedule_grad_batch_stage, schedule_grad_prologue
+from .cross_entropy_grad_window_in_shared import CrossEntropyGradWindowInShared
+
+ALGORITHM = "fused_granules"
+
+
+@register
+class CrossEntropyGradGranulesInShared(CrossEntropyGradWindowInShared):
+    name = "cross_entropy_grad_granules_in_shared"
+    algorithm = ALGORITHM
+
+    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
+        return False
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        # Kernel 1: the targets pass.
+        schedule_grad_prologue(sch, problem)
+        granules = sch.get_sblock(GRANULES)
+        coefficients_at(sch, problem, sch.get_loops(granules)[0], "local")
+        # 1. One row loop, one block per row.
+        loss = row_loss_name(problem)
+        row = merge_rows(sch, ["window", "row_max", "row_sumexp", GRANULES, "lse", loss])
+        sch.bind(row, "blockIdx.x")
+        # 2. The window into shared memory, a 16-byte load and store per granule.
+        c = granule(problem.dtype)
+        window = sch.get_sblock("window")
+        outputs_to(sch, window, "shared.dyn")
+        staged = sch.get(window).writes[0].source.name  # the buffer's name in its new scope
+        _, _, vec = lanes_split(sch, window, 1, knobs.threads, c, knobs.unroll)
+        sch.vectorize(vec)
+        # 3. Both statistics over the window, kept in registers.
+        for name in ("row_max", "row_sumexp"):
+            block = sch.get_sblock(name)
+            thread_reduce(sch, block, 1, knobs.threads, c, knobs.unroll, staged)
+            outputs_to(sch, block, "local")
+        # 4. The gradient by granules: a 16-byte shared load, a 16-byte store.
+        grad_map(sch, 1, knobs.threads, c, knobs.unroll, staged=staged, block=granules)
+        # 5. lse and the row loss on thread 0.
+        for name in ("lse", loss):
+            single_thread(sch, sch.get_sblock(name), knobs.threads)
+        # The gather into dlogits, which the build drops (granule_stores): bound like
+        # any map, so that a build without that step still runs it.
+        gather = sch.get_sblock("dlogits")
+        outer, lane = sch.split(sch.fuse(*sch.get_loops(gather)), [None, MAX_THREADS])
+        sch.bind(outer, "blockIdx.x")
+        sch.bind(lane, "threadIdx.x")
+        # Kernel 3: the loss.
+        schedule_grad_batch_stage(sch, problem, knobs.threads)

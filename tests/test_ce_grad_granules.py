@@ -1,0 +1,225 @@
+"""cross_entropy_grad_granules_in_shared: the fused gradient of rows off the 16-byte grid
+(odd V in fp16/bf16), the row's window in shared memory as the window candidate's, the
+gradient computed and stored a 16-byte granule at a time.
+
+The decomposition is ``compute.cross_entropy_grad``'s ``fused_granules``: the map laid
+out as the window, then a gather into ``dlogits``, which ``tvm_fusion.granule_stores``
+replaces with stores of the granules themselves. CPU: the decomposition unscheduled
+and as rewritten (the stores' index and their guards), against the float64 reference,
+with rows of every residue mod 8 and the tensor's last row; the rewrite's contract
+(idempotent, other functions untouched); the generated CUDA (16-byte loads into the
+window, one 16-byte store of the gradient, no gather kernel, no spills), through
+``build_kernel`` and through the tuner's build. GPU (marked, skipped without one): the
+kernel on torch tensors with poisoned outputs against torch autograd in float64, every
+option, sampled knobs, NaN rows and an all-ignored batch.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+import pytest
+import tvm
+
+import tvm_fusion as tf
+from helpers import default_and_sampled, has_gpu, rng, torch_or_none
+from test_cross_entropy_grad import (
+    case, check_forward, check_grad, check_on_device, gpu_problem, kernel_inputs, problem_for, row_kernel,
+    run_on_device, run_unscheduled,
+)
+from tvm_fusion import granule_stores, registry, schedules, targets
+from tvm_fusion.codegen import cuda_report, nvcc_path
+from tvm_fusion.compute import prim_func
+from tvm_fusion.compute.cross_entropy_grad import GRANULES
+from tvm_fusion.kernel import build_kernel
+from tvm_fusion.schedules.cuda import cross_entropy_grad_granules_in_shared as granules
+from tvm_fusion.tuner import build_module
+
+torch = torch_or_none()
+CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
+NAME = "cross_entropy_grad_granules_in_shared"
+CANDIDATE = registry.get(NAME)
+WINDOW = registry.get("cross_entropy_grad_window_in_shared")
+OPTIONS = [dict(reduction=reduction, weight=weight, label_smoothing=smoothing)
+           for reduction, (weight, smoothing) in itertools.product(
+               ["none", "mean", "sum"], [(False, 0.0), (True, 0.0), (False, 0.1), (True, 0.2)])]
+
+
+def option_id(options) -> str:
+    return ",".join(f"{k}={v}" for k, v in options.items())
+
+
+def grad_problem(shape, dtype, **options):
+    return tf.make_problem("cross_entropy_grad", shape, dtype, mode="fused", **options)
+
+
+# -- predicates -----------------------------------------------------------------------
+def test_registered_first_in_dispatch_order():
+    assert schedules.DISPATCH_ORDER[("cross_entropy_grad", "cuda")][0] == NAME
+
+
+@pytest.mark.parametrize("shape, dtype", [
+    ((16384, 50257), "bfloat16"), ((3000, 50257), "float16"), ((8, 37), "float16"), ((16, 1001), "float32"),
+    ((24, 57337), "bfloat16"), ((24, 57339), "bfloat16"), ((4096, 32000), "bfloat16"), ((3, 1001), "float16"),
+    ((8, 15), "float16"), ((64, 50257), "float32"),
+])
+def test_applies_where_the_window_candidate_does(shape, dtype):
+    """The same window in shared memory: rows off the grid, B V whole granules, the
+    window within two blocks an SM; never in place (an edge granule holds the next
+    row's logits)."""
+    problem = grad_problem(shape, dtype)
+    assert CANDIDATE.applies(problem) == WINDOW.applies(problem)
+    assert not CANDIDATE.applies(grad_problem(shape, dtype, in_place=True))
+    assert not CANDIDATE.applies(tf.make_problem("cross_entropy_grad", shape, dtype, mode="from_lse"))
+
+
+# -- the decomposition on the CPU ------------------------------------------------------
+# 16 rows of V = 1001: i V mod 8 takes every residue (every head length), and the last
+# row's window reaches the tensor's end (the clamp); (8, 37): rows of under 5 granules.
+@pytest.mark.parametrize("rewritten", [False, True], ids=["gather", "granule stores"])
+@pytest.mark.parametrize("options", OPTIONS, ids=option_id)
+@pytest.mark.parametrize("dtype, shape", [("float32", (16, 1001)), ("float16", (16, 1001)),
+                                          ("float32", (12, 37)), ("float16", (8, 37))])
+def test_decomposition_matches_the_reference(dtype, shape, options, rewritten):
+    gen = rng()
+    logits, target, weight = case(gen, *shape, dtype=dtype, weighted=options["weight"])
+    target[:3] = [0, shape[1] - 1, -100]  # the first and last classes: in the edge granules
+    problem = problem_for(logits, target, weight, options["reduction"], options["label_smoothing"], "fused")
+    inputs, dloss = kernel_inputs(problem, gen, logits, target, weight)
+    func = prim_func(problem, granules.ALGORITHM)
+    if rewritten:
+        func = granule_stores.stores_in_place(func)
+    outs = run_unscheduled(func, inputs)  # outputs poisoned (NaN) first
+    check_grad(outs["dlogits"], logits, target, weight, options["reduction"], options["label_smoothing"], dloss,
+               dtype, what=f"{granules.ALGORITHM} rewritten={rewritten}")
+    check_forward(outs, logits, target, weight, options["reduction"], options["label_smoothing"])
+
+
+def test_rewrite_drops_the_gather_and_the_buffer_once():
+    problem = grad_problem((16, 1001), "float16")
+    func = prim_func(problem, granules.ALGORITHM)
+    assert GRANULES in func.script() and 'sblock("dlogits")' in func.script()
+    once = granule_stores.stores_in_place(func)
+    text = once.script()
+    assert f"{GRANULES} = " not in text and 'sblock("dlogits")' not in text
+    assert [p.name for p in once.params] == [p.name for p in func.params]  # the signature is unchanged
+    assert granule_stores.stores_in_place(once).same_as(once)
+    other = prim_func(problem, "fused_window")
+    assert granule_stores.stores_in_place(other).same_as(other)
+
+
+def test_rewrite_names_a_function_it_cannot_rewrite():
+    problem = grad_problem((16, 1001), "float16")
+    func = prim_func(problem, granules.ALGORITHM)
+    broken = func.with_attr("tvm_fusion.algorithm", granules.ALGORITHM).with_body(
+        prim_func(problem, "fused_window").body)
+    with pytest.raises(ValueError, match="granule_stores: expected one store into dlogits_granules"):
+        granule_stores.stores_in_place(broken)
+
+
+# -- the generated CUDA ---------------------------------------------------------------
+def granule_stores_in(source: str) -> list[str]:
+    """16-byte stores of the gradient from registers."""
+    return re.findall(r"\*\(uint4\*\)\(dlogits_ptr \+ [^;]*= \*\(uint4\*\)", source)
+
+
+CODEGEN_CASES = [((16384, 50257), "bfloat16", {}), ((3000, 50257), "float16", {"weight": True, "label_smoothing": 0.1}),
+                 ((64, 4097), "bfloat16", {"reduction": "sum"}), ((16, 1001), "float16", {"reduction": "none"})]
+
+
+@pytest.mark.parametrize("shape, dtype, options", CODEGEN_CASES, ids=str)
+def test_gradient_is_stored_16_bytes_a_granule(shape, dtype, options):
+    kernel = build_kernel(grad_problem(shape, dtype, **options), CUDA, NAME)
+    source = kernel.device_source()
+    row = row_kernel(source)
+    assert granule_stores_in(row), "the gradient should be stored 16 bytes at a time"
+    # The window copied with 16-byte loads (into a uint4 array of shared memory, or through a cast).
+    assert re.search(r"window_shared_dyn_ptr[ \[][^;]*= \*\(uint4\*\)\(logits_ptr \+", row)
+    assert "__shfl_down_sync" in row
+    # No kernel reads a granule buffer back: the gather is gone, and with it a pass over B V.
+    assert GRANULES not in source
+    assert [p[0] for p in kernel.params if p[0] == "dlogits"] == ["dlogits"]
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("shape, dtype, options", CODEGEN_CASES[:3], ids=str)
+def test_ptx_vector_loads_shuffles_no_spills(shape, dtype, options):
+    report = cuda_report(build_kernel(grad_problem(shape, dtype, **options), CUDA, NAME))
+    assert report.vector_loads > 0 and report.shuffles > 0, report
+    assert not any(report.spill_bytes.values()) and not any(report.stack_bytes.values()), report
+
+
+def test_every_knob_config_builds():
+    problem = grad_problem((64, 50257), "float16", weight=True, label_smoothing=0.1)
+    for knobs in CANDIDATE.all_configs(problem, CUDA):
+        assert granule_stores_in(build_kernel(problem, CUDA, NAME, knobs).device_source()), knobs
+
+
+def test_tuners_build_stores_granules_too():
+    """The tuner builds the scheduled module through launch_order's pipeline, with no
+    compiled_form before it: the rewrite runs there as well (and its space builds)."""
+    problem = grad_problem((64, 50257), "bfloat16")
+    sch = tvm.s_tir.Schedule(prim_func(problem, granules.ALGORITHM))
+    CANDIDATE.apply_to(sch, problem, CUDA, tunable=True)
+    with CUDA:
+        built = build_module(sch.mod, CUDA)
+    source = built.imports[0].inspect_source()
+    assert granule_stores_in(source) and GRANULES not in source
+
+
+# -- on the GPU -----------------------------------------------------------------------
+GPU_SHAPES = [((8, 37), "float16"), ((24, 1001), "bfloat16"), ((16, 1001), "float32"),
+              ((2048, 50257), "bfloat16"), ((3000, 50257), "float16"), ((16384, 50257), "bfloat16"),
+              ((2048, 32001), "bfloat16")]
+
+
+def gpu_options(options) -> dict:
+    return {"reduction": options["reduction"], "label_smoothing": options["label_smoothing"],
+            **({"weight": True} if options["weight"] else {})}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("options", OPTIONS, ids=option_id)
+@pytest.mark.parametrize("shape, dtype", GPU_SHAPES[:4], ids=str)
+def test_correct_on_gpu_every_option(shape, dtype, options):
+    options = gpu_options(options)
+    problem = gpu_problem(shape, options, dtype, "fused")
+    check_on_device(problem, options, build_kernel(problem, targets.resolve("cuda"), NAME), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, dtype", GPU_SHAPES, ids=str)
+def test_correct_on_gpu_sampled_knobs(shape, dtype):
+    options = {"weight": True, "label_smoothing": 0.1}
+    problem = gpu_problem(shape, options, dtype, "fused")
+    target = targets.resolve("cuda")
+    for knobs in default_and_sampled(CANDIDATE, problem, target, 3):
+        check_on_device(problem, options, build_kernel(problem, target, NAME, knobs), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_all_ignored_batch_and_nan_rows_on_gpu():
+    """A batch with every row ignored (mean: NaN loss and gradient, as torch) and rows
+    holding NaN or +inf (in an edge granule too), whose gradient is NaN on the whole row
+    as torch's."""
+    import torch.nn.functional as F
+
+    x = (torch.randn(64, 1001, device="cuda") * 2).half()
+    x[3, 17], x[9, 1000], x[12, 0] = float("nan"), float("inf"), float("inf")
+    t = torch.randint(0, 1001, (64,), device="cuda")
+    problem = grad_problem((64, 1001), "float16")
+    kernel = build_kernel(problem, targets.resolve("cuda"), NAME)
+    for target in (t, torch.full_like(t, -100)):
+        theirs = x.double().requires_grad_()
+        ref_loss = F.cross_entropy(theirs, target)
+        (ref_grad,) = torch.autograd.grad(ref_loss, theirs)
+        outs = run_on_device(kernel, [x, target], "cuda")  # outputs poisoned first
+        grad, loss = outs["dlogits"].double(), outs["loss"].double()
+        assert torch.equal(torch.isnan(grad), torch.isnan(ref_grad))
+        assert torch.isnan(loss).item() == torch.isnan(ref_loss).item()
+        finite = torch.isfinite(ref_grad)
+        assert float((grad[finite] - ref_grad[finite]).abs().max()) < 2e-3
