@@ -142,6 +142,19 @@ def test_gradient_is_stored_16_bytes_a_granule(shape, dtype, options):
     assert [p[0] for p in kernel.params if p[0] == "dlogits"] == ["dlogits"]
 
 
+def test_statistics_sweep_the_rows_inside_granules_unmasked():
+    """The build's loop partition splits the statistics' steps over the window: on
+    16384x50257 bf16 at 512 threads (13 steps) the 11 middle ones, whose granules all
+    lie inside the row, read them with no test; and the sum reads the max from a
+    register, not the allreduce's shared result (a volatile load an element)."""
+    row = row_kernel(build_kernel(grad_problem((16384, 50257), "bfloat16"), CUDA, NAME).device_source())
+    loops = re.findall(r"for \(int (\w+) = 0; \1 < 11; \+\+\1\) \{(.*?)\n  \}", row, re.S)
+    assert len(loops) == 2, "the max's and the sum's middle steps"
+    for _, body in loops:
+        assert "if (" not in body and "condval" not in body
+    assert not [line for line in row.splitlines() if "expf" in line and "volatile" in line]
+
+
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 @pytest.mark.parametrize("shape, dtype, options", CODEGEN_CASES[:3], ids=str)
 def test_ptx_vector_loads_shuffles_no_spills(shape, dtype, options):

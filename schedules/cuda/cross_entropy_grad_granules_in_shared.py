@@ -64,7 +64,7 @@ class CrossEntropyGradGranulesInShared(CrossEntropyGradWindowInShared):
         coefficients_at(sch, problem, sch.get_loops(granules)[0], "local")
         # 1. One row loop, one block per row.
         loss = row_loss_name(problem)
-        row = merge_rows(sch, ["window", "row_max", "row_sumexp", GRANULES, "lse", loss])
+        row = merge_rows(sch, ["window", "row_max", "sum_shift", "row_sumexp", GRANULES, "lse", loss])
         sch.bind(row, "blockIdx.x")
         # 2. The window into shared memory, a 16-byte load and store per granule.
         c = granule(problem.dtype)
@@ -78,6 +78,7 @@ class CrossEntropyGradGranulesInShared(CrossEntropyGradWindowInShared):
             block = sch.get_sblock(name)
             thread_reduce(sch, block, 1, knobs.threads, c, knobs.unroll, staged)
             outputs_to(sch, block, "local")
+        outputs_to(sch, sch.get_sblock("sum_shift"), "local")  # the max in every thread's registers
         # 4. The gradient by granules: a 16-byte shared load, a 16-byte store.
         grad_map(sch, 1, knobs.threads, c, knobs.unroll, staged=staged, block=granules)
         # 5. lse and the row loss on thread 0.

@@ -42,7 +42,8 @@ of an SM's issue a row against 6.2 us of its share of HBM for the row's read and
 write, with two blocks an SM to overlap them. So it is not dispatched by default
 (``prefers``); the tuner can still choose it. What would cut the count: the body
 granules unmasked (only the first and last hold other rows' values), one online sweep
-for the statistics, and ``dlogits`` written by granules with 16-byte stores.
+for the statistics, and ``dlogits`` written by granules with 16-byte stores (the last is
+``cross_entropy_grad_granules_in_shared``).
 
 Applies to rows over 16-byte boundaries whose window fits beside a second block on
 an SM (``W * 16 <= ROW_BYTES_MAX``: V <= 57337 in fp16/bf16), ``B V`` a multiple of
@@ -50,8 +51,9 @@ a granule's c values (``window_granules``), not in place (a window's edge granul
 hold the neighbouring rows' logits, which another block may be overwriting).
 
 Not used: 16-byte stores of ``dlogits`` (its compute runs over the row's own
-elements, whose flat offsets are not granule-aligned: a vector store would need the
-map laid out by granules, with the head and tail stored apart); the window in
+elements, whose flat offsets are not granule-aligned: a vector store needs the map laid
+out by granules, with the edges stored apart, which is
+``cross_entropy_grad_granules_in_shared``'s ``fused_granules``); the window in
 registers (the forward row-in-shared candidate's lesson: a local buffer written under
 one thread loop and read under others becomes a global workspace).
 """

@@ -69,9 +69,10 @@ def te_tensors(problem: Problem, algorithm: str | None = None) -> list[te.Tensor
 
 
 # Decompositions whose loops over a row test ``likely(k < H)`` (cross_entropy_grad's
-# fused_head): the build runs TVM's loop partition on const loops for them
-# (launch_order.lowered), which splits such a loop at H, each part without the test.
-PARTITION_LIKELY = ("fused_head",)
+# fused_head) or ``likely`` that a window position lies inside its row (fused_granules):
+# the build runs TVM's loop partition on const loops for them (launch_order.lowered),
+# which splits such a loop where the test changes, each part without it where it holds.
+PARTITION_LIKELY = ("fused_head", "fused_granules")
 PARTITION_LIKELY_ATTR = "tvm_fusion.partition_likely"
 # Decompositions whose schedules pipeline a persistent kernel's rounds (the next part
 # copied in with cp.async while this one is reduced and mapped): the build lowers them

@@ -199,7 +199,8 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
             target_logit = te.compute(rows, target_logit_value, name="target_logit")
             x_loss = lambda i, _k: target_logit[i]  # noqa: E731
         if algorithm in WINDOWED:  # dlogits reads the row from the window
-            x_map, row_max, row_sumexp, extra, window = window_statistics(problem, logits, weight, idx)
+            x_map, row_max, row_sumexp, extra, window = window_statistics(
+                problem, logits, weight, idx, likely=algorithm == "fused_granules")
         elif algorithm == "fused_head":  # the row's head from its copy, the tail from the logits
             row_src, map_src = head_sources(problem, logits, idx)
             row_max, row_sumexp, extra = row_statistics(problem, row_src, weight, STATISTICS[algorithm], idx)
@@ -317,11 +318,14 @@ def window_granules(problem) -> int:
     return -(-(classes + c - 1) // c)
 
 
-def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx: str) -> tuple:
+def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx: str, likely: bool = False) -> tuple:
     """``fused_window``'s steps 1-2: ``(x, row_max, row_sumexp, extra, window)``, ``x(i,
     k)`` the row's element k read from the window (what ``dlogits`` reads), the
     statistics as :func:`compute.cross_entropy.row_statistics` gives them, and the
-    window itself."""
+    window itself. ``likely``: the test that a position lies inside the row is marked
+    ``likely``, so that the build's loop partition (``compute.PARTITION_LIKELY``) can
+    split the statistics' loops over the window into the steps whose granules all lie
+    inside the row, unmasked, and the first and last steps, masked."""
     batch, classes = dims(problem.shape, idx)
     c = granule(problem.dtype)
     count = window_granules(problem)
@@ -340,9 +344,15 @@ def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx:
         lambda i, g, v: logits[tirx.floordiv(flat(i, g, v), V), tirx.floormod(flat(i, g, v), V)],
         name="window")
 
+    body_last = tirx.IntImm(idx, problem.classes // c - 1)  # J: granules 1..J lie inside every row
+
     def element(i, g, v):  # (k, inside): the row's element at window position (g, v)
         k = g * C + v - start(i)
-        return k, tirx.all(k >= tirx.IntImm(idx, 0), k < V)
+        inside = tirx.all(k >= tirx.IntImm(idx, 0), k < V)
+        if likely:  # granule-wise first, one comparison a likely: what the partition splits at
+            body = tirx.all(tirx.likely(g >= tirx.IntImm(idx, 1)), tirx.likely(g <= body_last))
+            return k, tirx.Or(body, inside)
+        return k, inside
 
     def masked(i, g, v, pad):
         _, inside = element(i, g, v)
@@ -355,10 +365,14 @@ def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx:
     g, v = axes("")
     row_max = te.compute([batch], lambda i: te.max(masked(i, g, v, -float("inf")), axis=[g, v]), name="row_max")
     g2, v2 = axes("2")
+    # With likely (fused_granules), the sums read the max through a copy of their own,
+    # which a schedule keeps in each thread's registers: read straight from the
+    # allreduce's result, it is a volatile shared load an element.
+    shift = te.compute([batch], lambda i: row_max[i], name="sum_shift") if likely else row_max
 
     def sums(i):
         # exp(-inf - max) = 0 outside the row: no select after the exp
-        terms = (te.exp(masked(i, g2, v2, -float("inf")) - row_max[i]),)
+        terms = (te.exp(masked(i, g2, v2, -float("inf")) - shift[i]),)
         if smoothing:
             k, inside = element(i, g2, v2)
             xv = masked(i, g2, v2, 0.0)
