@@ -74,6 +74,23 @@ def test_applies_where_the_window_candidate_does(shape, dtype):
     assert not CANDIDATE.applies(tf.make_problem("cross_entropy_grad", shape, dtype, mode="from_lse"))
 
 
+@pytest.mark.parametrize("shape, dtype, picked", [
+    ((16384, 50257), "bfloat16", True), ((3000, 50257), "float16", True), ((2048, 32001), "bfloat16", True),
+    ((4096, 20001), "float32", True),  # the five shapes of its docstring's table, smoothing aside
+    ((263, 50257), "bfloat16", False), ((64, 1001), "float16", False),  # under two rows an SM
+    ((4096, 32000), "float16", False),  # rows on the grid: row_in_shared
+])
+def test_dispatch_picks_it_for_odd_rows_that_fill_the_gpu(shape, dtype, picked):
+    """Its A/B beat the online candidate (the pick before) on every shape timed; the
+    16384x50257 bf16 record of the online candidate was dropped so that dispatch takes it."""
+    from tvm_fusion import dispatch
+
+    choice = dispatch.choose(grad_problem(shape, dtype), CUDA)
+    assert (choice.candidate == NAME) == picked, choice
+    if picked:
+        assert choice.source == "heuristic" and choice.knobs == CANDIDATE.default_for(grad_problem(shape, dtype), CUDA)
+
+
 # -- the decomposition on the CPU ------------------------------------------------------
 # 16 rows of V = 1001: i V mod 8 takes every residue (every head length), and the last
 # row's window reaches the tensor's end (the clamp); (8, 37): rows of under 5 granules.
