@@ -9,24 +9,24 @@ and as rewritten (the stores' index and their guards), against the float64 refer
 with rows of every residue mod 8 and the tensor's last row; the rewrite's contract
 (idempotent, other functions untouched); the generated CUDA (16-byte loads into the
 window, one 16-byte store of the gradient, no gather kernel, no spills), through
-``build_kernel`` and through the tuner's build. GPU (marked, skipped without one): the
+``build_kernel`` and through the tuner's build; dispatch's pick. Its GPU tests (the
 kernel on torch tensors with poisoned outputs against torch autograd in float64, every
-option, sampled knobs, NaN rows and an all-ignored batch.
+option, sampled knobs, NaN rows and an all-ignored batch) are the window candidate's,
+parametrized over both, in test_ce_grad_window.py.
 """
 
 from __future__ import annotations
 
-import itertools
 import re
 
 import pytest
 import tvm
 
 import tvm_fusion as tf
-from helpers import default_and_sampled, has_gpu, rng, torch_or_none
+from helpers import rng
+from test_ce_grad_window import OPTIONS, grad_problem, option_id
 from test_cross_entropy_grad import (
-    case, check_forward, check_grad, check_on_device, gpu_problem, kernel_inputs, problem_for, row_kernel,
-    run_on_device, run_unscheduled,
+    case, check_forward, check_grad, kernel_inputs, problem_for, row_kernel, run_unscheduled,
 )
 from tvm_fusion import granule_stores, registry, schedules, targets
 from tvm_fusion.codegen import cuda_report, nvcc_path
@@ -36,22 +36,10 @@ from tvm_fusion.kernel import build_kernel
 from tvm_fusion.schedules.cuda import cross_entropy_grad_granules_in_shared as granules
 from tvm_fusion.tuner import build_module
 
-torch = torch_or_none()
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
 NAME = "cross_entropy_grad_granules_in_shared"
 CANDIDATE = registry.get(NAME)
 WINDOW = registry.get("cross_entropy_grad_window_in_shared")
-OPTIONS = [dict(reduction=reduction, weight=weight, label_smoothing=smoothing)
-           for reduction, (weight, smoothing) in itertools.product(
-               ["none", "mean", "sum"], [(False, 0.0), (True, 0.0), (False, 0.1), (True, 0.2)])]
-
-
-def option_id(options) -> str:
-    return ",".join(f"{k}={v}" for k, v in options.items())
-
-
-def grad_problem(shape, dtype, **options):
-    return tf.make_problem("cross_entropy_grad", shape, dtype, mode="fused", **options)
 
 
 # -- predicates -----------------------------------------------------------------------
@@ -196,60 +184,3 @@ def test_tuners_build_stores_granules_too():
         built = build_module(sch.mod, CUDA)
     source = built.imports[0].inspect_source()
     assert granule_stores_in(source) and GRANULES not in source
-
-
-# -- on the GPU -----------------------------------------------------------------------
-GPU_SHAPES = [((8, 37), "float16"), ((24, 1001), "bfloat16"), ((16, 1001), "float32"),
-              ((2048, 50257), "bfloat16"), ((3000, 50257), "float16"), ((16384, 50257), "bfloat16"),
-              ((2048, 32001), "bfloat16")]
-
-
-def gpu_options(options) -> dict:
-    return {"reduction": options["reduction"], "label_smoothing": options["label_smoothing"],
-            **({"weight": True} if options["weight"] else {})}
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
-@pytest.mark.parametrize("options", OPTIONS, ids=option_id)
-@pytest.mark.parametrize("shape, dtype", GPU_SHAPES[:4], ids=str)
-def test_correct_on_gpu_every_option(shape, dtype, options):
-    options = gpu_options(options)
-    problem = gpu_problem(shape, options, dtype, "fused")
-    check_on_device(problem, options, build_kernel(problem, targets.resolve("cuda"), NAME), "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
-@pytest.mark.parametrize("shape, dtype", GPU_SHAPES, ids=str)
-def test_correct_on_gpu_sampled_knobs(shape, dtype):
-    options = {"weight": True, "label_smoothing": 0.1}
-    problem = gpu_problem(shape, options, dtype, "fused")
-    target = targets.resolve("cuda")
-    for knobs in default_and_sampled(CANDIDATE, problem, target, 3):
-        check_on_device(problem, options, build_kernel(problem, target, NAME, knobs), "cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
-def test_all_ignored_batch_and_nan_rows_on_gpu():
-    """A batch with every row ignored (mean: NaN loss and gradient, as torch) and rows
-    holding NaN or +inf (in an edge granule too), whose gradient is NaN on the whole row
-    as torch's."""
-    import torch.nn.functional as F
-
-    x = (torch.randn(64, 1001, device="cuda") * 2).half()
-    x[3, 17], x[9, 1000], x[12, 0] = float("nan"), float("inf"), float("inf")
-    t = torch.randint(0, 1001, (64,), device="cuda")
-    problem = grad_problem((64, 1001), "float16")
-    kernel = build_kernel(problem, targets.resolve("cuda"), NAME)
-    for target in (t, torch.full_like(t, -100)):
-        theirs = x.double().requires_grad_()
-        ref_loss = F.cross_entropy(theirs, target)
-        (ref_grad,) = torch.autograd.grad(ref_loss, theirs)
-        outs = run_on_device(kernel, [x, target], "cuda")  # outputs poisoned first
-        grad, loss = outs["dlogits"].double(), outs["loss"].double()
-        assert torch.equal(torch.isnan(grad), torch.isnan(ref_grad))
-        assert torch.isnan(loss).item() == torch.isnan(ref_loss).item()
-        finite = torch.isfinite(ref_grad)
-        assert float((grad[finite] - ref_grad[finite]).abs().max()) < 2e-3

@@ -160,8 +160,12 @@ def test_tunable_space_builds():
 
 
 # -- on the GPU -----------------------------------------------------------------------
+# Both window candidates: this one and cross_entropy_grad_granules_in_shared (the same
+# window, the gradient stored by granules; its CPU tests are in test_ce_grad_granules.py).
+WINDOWED = [NAME, "cross_entropy_grad_granules_in_shared"]
 GPU_SHAPES = [((8, 37), "float16"), ((24, 1001), "bfloat16"), ((16, 1001), "float32"),
-              ((2048, 50257), "bfloat16"), ((3000, 50257), "float16"), ((16384, 50257), "bfloat16")]
+              ((2048, 50257), "bfloat16"), ((3000, 50257), "float16"), ((16384, 50257), "bfloat16"),
+              ((2048, 32001), "bfloat16")]
 
 
 def gpu_options(options) -> dict:
@@ -173,36 +177,40 @@ def gpu_options(options) -> dict:
 @pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
 @pytest.mark.parametrize("options", OPTIONS, ids=option_id)
 @pytest.mark.parametrize("shape, dtype", GPU_SHAPES[:4], ids=str)
-def test_correct_on_gpu_every_option(shape, dtype, options):
+@pytest.mark.parametrize("name", WINDOWED)
+def test_correct_on_gpu_every_option(name, shape, dtype, options):
     options = gpu_options(options)
     problem = gpu_problem(shape, options, dtype, "fused")
-    check_on_device(problem, options, build_kernel(problem, targets.resolve("cuda"), NAME), "cuda")
+    check_on_device(problem, options, build_kernel(problem, targets.resolve("cuda"), name), "cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
 @pytest.mark.parametrize("shape, dtype", GPU_SHAPES, ids=str)
-def test_correct_on_gpu_sampled_knobs(shape, dtype):
+@pytest.mark.parametrize("name", WINDOWED)
+def test_correct_on_gpu_sampled_knobs(name, shape, dtype):
     options = {"weight": True, "label_smoothing": 0.1}
     problem = gpu_problem(shape, options, dtype, "fused")
     target = targets.resolve("cuda")
-    for knobs in default_and_sampled(CANDIDATE, problem, target, 3):
-        check_on_device(problem, options, build_kernel(problem, target, NAME, knobs), "cuda")
+    for knobs in default_and_sampled(registry.get(name), problem, target, 3):
+        check_on_device(problem, options, build_kernel(problem, target, name, knobs), "cuda")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
-def test_all_ignored_batch_and_nan_rows_on_gpu():
+@pytest.mark.parametrize("name", WINDOWED)
+def test_all_ignored_batch_and_nan_rows_on_gpu(name):
     """A batch with every row ignored (mean: NaN loss and gradient, as torch) and rows
-    holding NaN or +inf, whose gradient is NaN on the whole row as torch's."""
+    holding NaN or +inf (in an edge granule too), whose gradient is NaN on the whole row
+    as torch's."""
     import torch.nn.functional as F
 
     x = (torch.randn(64, 1001, device="cuda") * 2).half()
     x[3, 17], x[9, 1000], x[12, 0] = float("nan"), float("inf"), float("inf")
     t = torch.randint(0, 1001, (64,), device="cuda")
     problem = grad_problem((64, 1001), "float16")
-    assert registry.default_candidate(problem, CUDA).name != NAME  # too few rows: chosen explicitly below
-    kernel = build_kernel(problem, targets.resolve("cuda"), NAME)
+    assert registry.default_candidate(problem, CUDA).name not in WINDOWED  # too few rows: chosen explicitly below
+    kernel = build_kernel(problem, targets.resolve("cuda"), name)
     for target in (t, torch.full_like(t, -100)):
         theirs = x.double().requires_grad_()
         ref_loss = F.cross_entropy(theirs, target)

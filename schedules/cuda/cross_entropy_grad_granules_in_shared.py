@@ -62,9 +62,9 @@ from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import register
 from tvm_fusion.targets import sm_count
 
-from ..common import coefficients_at, lanes_split, merge_rows, outputs_to, row_loss_name, single_thread, thread_reduce
+from ..common import coefficients_at, merge_rows, outputs_to, row_loss_name, single_thread
 from .common import MAX_THREADS, grad_map, schedule_grad_batch_stage, schedule_grad_prologue
-from .cross_entropy_grad_window_in_shared import CrossEntropyGradWindowInShared
+from .cross_entropy_grad_window_in_shared import CrossEntropyGradWindowInShared, window_and_statistics
 
 ALGORITHM = "fused_granules"
 
@@ -88,21 +88,12 @@ class CrossEntropyGradGranulesInShared(CrossEntropyGradWindowInShared):
         loss = row_loss_name(problem)
         row = merge_rows(sch, ["window", "row_max", "sum_shift", "row_sumexp", GRANULES, "lse", loss])
         sch.bind(row, "blockIdx.x")
-        # 2. The window into shared memory, a 16-byte load and store per granule.
-        c = granule(problem.dtype)
-        window = sch.get_sblock("window")
-        outputs_to(sch, window, "shared.dyn")
-        staged = sch.get(window).writes[0].source.name  # the buffer's name in its new scope
-        _, _, vec = lanes_split(sch, window, 1, knobs.threads, c, knobs.unroll)
-        sch.vectorize(vec)
-        # 3. Both statistics over the window, kept in registers.
-        for name in ("row_max", "row_sumexp"):
-            block = sch.get_sblock(name)
-            thread_reduce(sch, block, 1, knobs.threads, c, knobs.unroll, staged)
-            outputs_to(sch, block, "local")
-        outputs_to(sch, sch.get_sblock("sum_shift"), "local")  # the max in every thread's registers
+        # 2-3. The window into shared memory, both statistics over it (the window
+        # candidate's), the max the sum reads in every thread's registers.
+        staged = window_and_statistics(sch, problem, knobs)
+        outputs_to(sch, sch.get_sblock("sum_shift"), "local")
         # 4. The gradient by granules: a 16-byte shared load, a 16-byte store.
-        grad_map(sch, 1, knobs.threads, c, knobs.unroll, staged=staged, block=granules)
+        grad_map(sch, 1, knobs.threads, granule(problem.dtype), knobs.unroll, staged=staged, block=granules)
         # 5. lse and the row loss on thread 0.
         for name in ("lse", loss):
             single_thread(sch, sch.get_sblock(name), knobs.threads)

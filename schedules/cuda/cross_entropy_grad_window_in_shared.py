@@ -122,18 +122,8 @@ class CrossEntropyGradWindowInShared(Candidate):
         # 1. One row loop, one block per row.
         row = merge_grad_rows(sch, problem, ("window", "row_max", "row_sumexp"))
         sch.bind(row, "blockIdx.x")
-        # 2. The window into shared memory, a 16-byte load and store per granule.
-        c = granule(problem.dtype)
-        window = sch.get_sblock("window")
-        outputs_to(sch, window, "shared.dyn")
-        staged = sch.get(window).writes[0].source.name  # the buffer's name in its new scope
-        _, _, vec = lanes_split(sch, window, 1, knobs.threads, c, knobs.unroll)
-        sch.vectorize(vec)
-        # 3. Both statistics over the window, kept in registers.
-        for name in ("row_max", "row_sumexp"):
-            block = sch.get_sblock(name)
-            thread_reduce(sch, block, 1, knobs.threads, c, knobs.unroll, staged)
-            outputs_to(sch, block, "local")
+        # 2-3. The window into shared memory, both statistics over it.
+        staged = window_and_statistics(sch, problem, knobs)
         # 4. The gradient from the window, one element a lane a step.
         grad_map(sch, 1, knobs.threads, 1, knobs.unroll, staged=staged)
         # 5. lse and the row loss on thread 0.
@@ -141,3 +131,22 @@ class CrossEntropyGradWindowInShared(Candidate):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
         # Kernel 3: the loss.
         schedule_grad_batch_stage(sch, problem, knobs.threads)
+
+
+def window_and_statistics(sch, problem: CrossEntropyGradProblem, knobs) -> str:
+    """Steps 2-3 of the window candidates, under the row loop bound to ``blockIdx.x``:
+    the window copied into dynamic shared memory (a 16-byte load and a 16-byte store
+    per granule), then ``row_max`` and ``row_sumexp`` over it, 16 bytes a lane a step,
+    kept in every thread's registers. Returns the window's buffer name in shared
+    memory (what the map stages from)."""
+    c = granule(problem.dtype)
+    window = sch.get_sblock("window")
+    outputs_to(sch, window, "shared.dyn")
+    staged = sch.get(window).writes[0].source.name  # the buffer's name in its new scope
+    _, _, vec = lanes_split(sch, window, 1, knobs.threads, c, knobs.unroll)
+    sch.vectorize(vec)
+    for name in ("row_max", "row_sumexp"):
+        block = sch.get_sblock(name)
+        thread_reduce(sch, block, 1, knobs.threads, c, knobs.unroll, staged)
+        outputs_to(sch, block, "local")
+    return staged
