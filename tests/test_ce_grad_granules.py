@@ -130,7 +130,8 @@ def granule_stores_in(source: str) -> list[str]:
 
 
 CODEGEN_CASES = [((16384, 50257), "bfloat16", {}), ((3000, 50257), "float16", {"weight": True, "label_smoothing": 0.1}),
-                 ((64, 4097), "bfloat16", {"reduction": "sum"}), ((16, 1001), "float16", {"reduction": "none"})]
+                 ((64, 4097), "bfloat16", {"reduction": "sum"}), ((16, 1001), "float16", {"reduction": "none"}),
+                 ((65536, 50257), "bfloat16", {})]  # past 2^31 elements: int64 offsets, still 16-byte aligned
 
 
 @pytest.mark.parametrize("shape, dtype, options", CODEGEN_CASES, ids=str)
@@ -145,6 +146,8 @@ def test_gradient_is_stored_16_bytes_a_granule(shape, dtype, options):
     # No kernel reads a granule buffer back: the gather is gone, and with it a pass over B V.
     assert GRANULES not in source
     assert [p[0] for p in kernel.params if p[0] == "dlogits"] == ["dlogits"]
+    if shape[0] * shape[1] >= 2**31:
+        assert all("int64_t" in store for store in granule_stores_in(row))
 
 
 def test_statistics_sweep_the_rows_inside_granules_unmasked():
