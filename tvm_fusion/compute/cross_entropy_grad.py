@@ -60,7 +60,7 @@ and ``W = ceil((V + c - 1) / c)`` (the most granules a row touches):
     3-5. as ``fused``; ``dlogits[i, k]`` reads ``window[i, (k + a_i) / c, (k + a_i) mod c]``.
 ``fused_granules``  ``fused_window`` with the map laid out as the window: ``dlogits_granules[i,
 g, v]`` (B, W, c) is the gradient of window position (g, v), row element ``k = c g + v -
-a_i`` (the weight and the target compared at k clamped into the row), and ``dlogits[i,
+a_i`` (the weight read at k clamped into the row), and ``dlogits[i,
 k] = dlogits_granules[i, (k + a_i) / c, (k + a_i) mod c]`` gathers it. Unscheduled, that
 is a copy. Built, :mod:`tvm_fusion.granule_stores` stores each granule of the map straight
 into ``dlogits`` instead (granule g of the window is 16-byte granule ``floor(iV / c) + g``
