@@ -30,10 +30,10 @@ from typing import Any
 import tvm
 from tvm import s_tir, tirx
 
-from .compute.cross_entropy_grad import GRANULES
+from .compute.cross_entropy_grad import GRANULES, GRANULES_ALGORITHM
+from .stmts import map_children
 
 OUTPUT = "dlogits"
-ALGORITHM = "fused_granules"
 DONE = "tvm_fusion.granules_stored"  # the attribute a rewritten function carries
 
 
@@ -42,7 +42,7 @@ def stores_in_place(func: tirx.PrimFunc) -> tirx.PrimFunc:
     (module docstring); ``func`` itself where it is no ``fused_granules`` function or
     has been rewritten."""
     attrs = func.attrs
-    if attrs is None or attrs.get("tvm_fusion.algorithm") != ALGORITHM or attrs.get(DONE):
+    if attrs is None or attrs.get("tvm_fusion.algorithm") != GRANULES_ALGORITHM or attrs.get(DONE):
         return func
     output = next((b for b in func.params if isinstance(b, tirx.Buffer) and b.name == OUTPUT), None)
     if output is None:
@@ -67,45 +67,40 @@ def module_stores_in_place(mod: tvm.IRModule) -> tvm.IRModule:
 
 
 def _walk(stmt: tirx.Stmt, output: tirx.Buffer, found: list[str]) -> tirx.Stmt | None:
-    """``stmt`` rewritten; None where nothing is left of it (the gather's loops)."""
+    """``stmt`` rewritten; None where nothing is left of it (the gather's block and the
+    loops around it, which hold nothing else)."""
     if isinstance(stmt, tirx.SeqStmt):
         seq = [s for s in (_walk(s, output, found) for s in stmt.seq) if s is not None]
         return None if not seq else seq[0] if len(seq) == 1 else tirx.SeqStmt(seq)
     if isinstance(stmt, tirx.For):
         body = _walk(stmt.body, output, found)
-        if body is None:
-            return None
-        return tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body, stmt.thread_binding, stmt.annotations)
+        return None if body is None else tirx.For(stmt.loop_var, stmt.min, stmt.extent, stmt.kind, body,
+                                                  stmt.thread_binding, stmt.annotations)
     if isinstance(stmt, s_tir.SBlockRealize):
         block = stmt.block
         if any(r.source.same_as(output) for r in block.writes) and any(r.source.name == GRANULES for r in block.reads):
             found.append("gather")
             return None
-        new = _block(block, output, found)
-        return None if new is None else s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, new)
-    if isinstance(stmt, tirx.IfThenElse):
-        then_case = _walk(stmt.then_case, output, found)
-        else_case = None if stmt.else_case is None else _walk(stmt.else_case, output, found)
-        if then_case is None:
-            return None if else_case is None else tirx.IfThenElse(tirx.Not(stmt.condition), else_case, None)
-        return tirx.IfThenElse(stmt.condition, then_case, else_case)
-    if isinstance(stmt, tirx.AttrStmt):
-        body = _walk(stmt.body, output, found)
-        return None if body is None else tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, body)
+        return s_tir.SBlockRealize(stmt.iter_values, stmt.predicate, _block(block, output, found))
     if isinstance(stmt, tirx.BufferStore) and stmt.buffer.name == GRANULES:
         found.append("store")
         return _granule_store(stmt, output)
-    return stmt
+    return map_children(stmt, lambda child: _kept(child, output, found))
+
+
+def _kept(stmt: tirx.Stmt, output: tirx.Buffer, found: list[str]) -> tirx.Stmt:
+    """:func:`_walk` where the statement cannot go (a block's body, a branch)."""
+    new = _walk(stmt, output, found)
+    if new is None:
+        raise ValueError(f"granule_stores: the gather into {OUTPUT} is not a loop nest of its own")
+    return new
 
 
 def _block(block: Any, output: tirx.Buffer, found: list[str]) -> Any:
-    body = _walk(block.body, output, found)
-    if body is None:
-        return None
     writes = [_output_region(r, output) if r.source.name == GRANULES else r for r in block.writes]
     allocs = [b for b in block.alloc_buffers if b.name != GRANULES]
-    return s_tir.SBlock(block.iter_vars, block.reads, writes, block.name_hint, body, block.init, allocs,
-                        block.match_buffers, block.annotations)
+    return s_tir.SBlock(block.iter_vars, block.reads, writes, block.name_hint, _kept(block.body, output, found),
+                        block.init, allocs, block.match_buffers, block.annotations)
 
 
 def _output_region(region: Any, output: tirx.Buffer) -> Any:

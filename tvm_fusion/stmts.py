@@ -1,6 +1,7 @@
-"""Rebuilding a lowered TIR statement around rewritten children: TVM 0.27's Python has
-no statement mutator (``ir_transform``), so the lowering passes (``launch_order``'s
-loop reversal, ``store_hints``' evict-first stores) walk statements with this."""
+"""Rebuilding a TIR statement around rewritten children: TVM 0.27's Python has no
+statement mutator (``ir_transform``), so the build's rewrites (``launch_order``'s loop
+reversal, ``store_hints``' evict-first stores, ``granule_stores``) walk statements with
+this."""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ from __future__ import annotations
 
 from tvm.target import Target
 
-from tvm_fusion.compute.cross_entropy_grad import GRANULES
+from tvm_fusion.compute.cross_entropy_grad import GRANULES, GRANULES_ALGORITHM
 from tvm_fusion.compute.primitives import granule
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import register
@@ -70,7 +70,7 @@ from ..common import coefficients_at, merge_rows, outputs_to, row_loss_name, sin
 from .common import MAX_THREADS, grad_map, schedule_grad_batch_stage, schedule_grad_prologue
 from .cross_entropy_grad_window_in_shared import CrossEntropyGradWindowInShared, window_and_statistics
 
-ALGORITHM = "fused_granules"
+ALGORITHM = GRANULES_ALGORITHM
 
 
 @register

@@ -114,8 +114,12 @@ from .cross_entropy import (
 )
 from .primitives import DUAL_SUM, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen
 
+GRANULES_ALGORITHM = "fused_granules"
+GRANULES = "dlogits_granules"  # fused_granules' map, laid out as the window
+# The decompositions that read the row from its window (``window_statistics``).
+WINDOWED = ("fused_window", GRANULES_ALGORITHM)
 ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp", "fused_padded",
-              "fused_window", "fused_head", "fused_granules")
+              "fused_window", "fused_head", GRANULES_ALGORITHM)
 MODE_OF = {name: "from_lse" if name.startswith("from_lse") else "fused" for name in ALGORITHMS}
 DEFAULT_FOR_MODE = {"fused": "fused", "from_lse": "from_lse"}
 # The forward decomposition whose row statistics each fused decomposition reuses.
@@ -200,7 +204,7 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
             x_loss = lambda i, _k: target_logit[i]  # noqa: E731
         if algorithm in WINDOWED:  # dlogits reads the row from the window
             x_map, row_max, row_sumexp, extra, window = window_statistics(
-                problem, logits, weight, idx, likely=algorithm == "fused_granules")
+                problem, logits, weight, idx, granules=algorithm == GRANULES_ALGORITHM)
         elif algorithm == "fused_head":  # the row's head from its copy, the tail from the logits
             row_src, map_src = head_sources(problem, logits, idx)
             row_max, row_sumexp, extra = row_statistics(problem, row_src, weight, STATISTICS[algorithm], idx)
@@ -276,7 +280,7 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
             g = g - grad_c[i] * (weight[v if weight_at is None else weight_at] if weighted else tirx.const(1.0, F32))
         return g if problem.dtype == F32 else g.astype(problem.dtype)
 
-    if fused and algorithm == "fused_granules":
+    if algorithm == GRANULES_ALGORITHM:
         dlogits = granule_map(problem, window, grad_value, idx)
     else:
         dlogits = te.compute((batch, classes), lambda i, v: grad_value(i, v, x_map(i, v)), name="dlogits")
@@ -318,23 +322,23 @@ def window_granules(problem) -> int:
     return -(-(classes + c - 1) // c)
 
 
-def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx: str, likely: bool = False) -> tuple:
+def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx: str, granules: bool = False) -> tuple:
     """``fused_window``'s steps 1-2: ``(x, row_max, row_sumexp, extra, window)``, ``x(i,
     k)`` the row's element k read from the window (what ``dlogits`` reads), the
     statistics as :func:`compute.cross_entropy.row_statistics` gives them, and the
-    window itself. ``likely``: the test that a position lies inside the row is marked
-    ``likely``, so that the build's loop partition (``compute.PARTITION_LIKELY``) can
-    split the statistics' loops over the window into the steps whose granules all lie
-    inside the row, unmasked, and the first and last steps, masked."""
+    window itself. ``granules`` (``fused_granules``' form): the test that a position
+    lies inside the row is granule-wise first and ``likely``, so that the build's loop
+    partition (``compute.PARTITION_LIKELY``) can split the statistics' loops over the
+    window into the steps whose granules all lie inside the row, unmasked, and the first
+    and last steps, masked; and the sums read the max through a copy of their own
+    (``sum_shift``), which a schedule keeps in each thread's registers (read straight
+    from the allreduce's result, it is a volatile shared load an element)."""
     batch, classes = dims(problem.shape, idx)
     c = granule(problem.dtype)
     count = window_granules(problem)
     C, V = tirx.IntImm(idx, c), classes
     last = tirx.IntImm(idx, problem.batch * problem.classes // c - 1)
     smoothing = problem.label_smoothing > 0.0
-
-    def start(i):  # a_i, the row's first element within its granule
-        return tirx.floormod(i * V, C)
 
     def flat(i, g, v):  # granule g of row i's window, clamped to the tensor's last
         return tirx.min(tirx.floordiv(i * V, C) + g, last) * C + v
@@ -347,9 +351,9 @@ def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx:
     body_last = tirx.IntImm(idx, problem.classes // c - 1)  # J: granules 1..J lie inside every row
 
     def element(i, g, v):  # (k, inside): the row's element at window position (g, v)
-        k = g * C + v - start(i)
+        k = g * C + v - row_start(i, V, C)
         inside = tirx.all(k >= tirx.IntImm(idx, 0), k < V)
-        if likely:  # granule-wise first, one comparison a likely: what the partition splits at
+        if granules:  # granule-wise first, one comparison a likely: what the partition splits at
             body = tirx.all(tirx.likely(g >= tirx.IntImm(idx, 1)), tirx.likely(g <= body_last))
             return k, tirx.Or(body, inside)
         return k, inside
@@ -365,10 +369,7 @@ def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx:
     g, v = axes("")
     row_max = te.compute([batch], lambda i: te.max(masked(i, g, v, -float("inf")), axis=[g, v]), name="row_max")
     g2, v2 = axes("2")
-    # With likely (fused_granules), the sums read the max through a copy of their own,
-    # which a schedule keeps in each thread's registers: read straight from the
-    # allreduce's result, it is a volatile shared load an element.
-    shift = te.compute([batch], lambda i: row_max[i], name="sum_shift") if likely else row_max
+    shift = te.compute([batch], lambda i: row_max[i], name="sum_shift") if granules else row_max
 
     def sums(i):
         # exp(-inf - max) = 0 outside the row: no select after the exp
@@ -387,15 +388,16 @@ def window_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, idx:
     stats = stats if isinstance(stats, (list, tuple)) else [stats]
 
     def x(i, k):
-        e = k + start(i)
+        e = k + row_start(i, V, C)
         return widen(window[i, tirx.floordiv(e, C), tirx.floormod(e, C)], problem.dtype)
 
     return x, row_max, stats[0], list(stats[1:]), window
 
 
-# The decompositions that read the row from its window (``window_statistics``).
-WINDOWED = ("fused_window", "fused_granules")
-GRANULES = "dlogits_granules"  # fused_granules' map, laid out as the window
+def row_start(i, classes, c):
+    """``a_i``: row i's first element within its 16-byte granule of the flat tensor (``c``
+    values a granule)."""
+    return tirx.floormod(i * classes, c)
 
 
 def granule_map(problem, window: te.Tensor, grad_value, idx: str) -> te.Tensor:
@@ -409,17 +411,14 @@ def granule_map(problem, window: te.Tensor, grad_value, idx: str) -> te.Tensor:
     C, V = tirx.IntImm(idx, c), classes
     zero, last = tirx.IntImm(idx, 0), tirx.IntImm(idx, problem.classes - 1)
 
-    def start(i):  # a_i
-        return tirx.floormod(i * V, C)
-
     def position(i, g, v):
-        k = g * C + v - start(i)
+        k = g * C + v - row_start(i, V, C)
         return grad_value(i, k, widen(window[i, g, v], problem.dtype), tirx.min(tirx.max(k, zero), last))
 
     granules = te.compute([batch, tirx.IntImm(idx, count), C], position, name=GRANULES)
 
     def gathered(i, k):
-        e = k + start(i)
+        e = k + row_start(i, V, C)
         return granules[i, tirx.floordiv(e, C), tirx.floormod(e, C)]
 
     return te.compute([batch, classes], gathered, name="dlogits")
