@@ -241,8 +241,9 @@ def run_unscheduled(func, inputs):
 @pytest.mark.parametrize("reduction, weighted, smoothing", OPTIONS)
 def test_decompositions_unscheduled(algorithm, reduction, weighted, smoothing):
     gen = rng()
-    # padded: whole granules; window: B V a multiple of a granule (4 float32 values)
-    batch, classes = {"fused_padded": (9, 40), "fused_window": (12, 37), "fused_granules": (12, 37)}.get(algorithm, (9, 37))
+    # padded, parts: whole granules; window: B V a multiple of a granule (4 float32 values)
+    batch, classes = {"fused_padded": (9, 40), "fused_window": (12, 37), "fused_granules": (12, 37),
+                      "fused_parts": (9, 40)}.get(algorithm, (9, 37))
     logits, target, weight = case(gen, batch, classes, weighted=weighted)
     target[1] = -100
     problem = problem_for(logits, target, weight, reduction, smoothing, MODE_OF[algorithm])
@@ -467,7 +468,9 @@ def test_cuda_source_shows_the_strategy(problem, candidate):
     assert ("__shfl_down_sync" in source) == expects_shuffles(cand, problem)
     assert "atomic" not in without_ticket(source).lower()  # single_launch's tickets only
     scratch = kernel_params(source) - {name for name, _, _ in kernel.params} - {single_launch.COUNTER}
-    assert all(name.endswith("_rf") for name in scratch), "a kernel takes a scratch buffer"  # but chunk partials
+    # but chunk partials, and the parts' pairs a cluster exchanges (row_in_cluster)
+    assert all(name.endswith("_rf") or name.startswith("part_online_") for name in scratch), \
+        "a kernel takes a scratch buffer"
     assert not barriers_under_a_guard(source)
     assert not shared_stores_by_every_thread(source), shared_stores_by_every_thread(source)[:2]
     if candidate.endswith("warp_per_row"):  # values between lanes by shuffles only

@@ -147,6 +147,16 @@ class Candidate:
                 sch.annotate(root, KNOB_ANNOTATION + field, value)
             self.schedule(sch, problem, knobs)
 
+    def annotate_choice(self, sch: s_tir.Schedule, block: Any, knobs: Any) -> None:
+        """Write the candidate and its knobs (ints, or the sampled ExprRVs the trace
+        replays) on ``block``, as :meth:`apply_to` writes them on ``ANNOTATED_BLOCK``'s:
+        for a schedule that inlines that block into another (:func:`annotated_block`
+        then finds them there)."""
+        sch.annotate(block, CANDIDATE_ANNOTATION, self.name)
+        values = knobs.as_dict() if isinstance(knobs, Knobs) else dict(vars(knobs))
+        for field, value in values.items():
+            sch.annotate(block, KNOB_ANNOTATION + field, value)
+
     def __repr__(self) -> str:
         return f"<candidate {self.name} ({self.op}, {self.target_kind}, {self.algorithm})>"
 
@@ -154,10 +164,23 @@ class Candidate:
 def annotated_choice(sch: s_tir.Schedule, op: str) -> tuple[str, Knobs]:
     """The candidate and knobs that :meth:`Candidate.apply_to` wrote on a scheduled
     ``op`` (a tuning record's trace replayed, say), read back from the annotations."""
-    notes = sch.get(sch.get_sblock(ANNOTATED_BLOCK[op])).annotations
+    notes = sch.get(annotated_block(sch, op)).annotations
     name = str(notes[CANDIDATE_ANNOTATION])
     values = {k[len(KNOB_ANNOTATION):]: int(v) for k, v in notes.items() if k.startswith(KNOB_ANNOTATION)}
     return name, get(name).knobs(**values)
+
+
+def annotated_block(sch: s_tir.Schedule, op: str) -> Any:
+    """The block that carries a scheduled ``op``'s choice: ``ANNOTATED_BLOCK[op]``, or
+    where the schedule inlined that one (``cross_entropy_grad_row_in_cluster`` inlines
+    ``dlogits``, a gather, into its map's store), the block annotated instead
+    (:meth:`Candidate.annotate_choice`)."""
+    blocks = sch.get_child_blocks(sch.get_sblock("root"))
+    named = [b for b in blocks if sch.get(b).name_hint == ANNOTATED_BLOCK[op]]
+    carriers = named or [b for b in blocks if CANDIDATE_ANNOTATION in sch.get(b).annotations]
+    if len(carriers) != 1:
+        raise ValueError(f"registry: expected one block carrying the choice of a scheduled {op}, found {len(carriers)}")
+    return carriers[0]
 
 
 def replayed_choice(record: Any, op: str) -> tuple[str, Knobs, float, Any]:

@@ -66,6 +66,21 @@ is a copy. Built, :mod:`tvm_fusion.granule_stores` stores each granule of the ma
 into ``dlogits`` instead (granule g of the window is 16-byte granule ``floor(iV / c) + g``
 of the flat gradient: one 16-byte store a granule inside the row, the row's own
 elements of the edge granules one at a time) and drops the gather.
+``fused_parts``  ``t(R) -> denom, first_bad | x(SRR) -> chunk (max, sumexp)(SS) -> part (max,
+sumexp)(SS) -> (max, sumexp)(S) -> lse, row_loss, coef(S) -> dlogits_parts(SS) -> dlogits
+| row_loss(R) -> loss``, for rows too long for one block's shared memory: each row cut
+into P equal parts of whole 16-byte chunks (:func:`row_parts`), L = V / P values each,
+and the parts laid out as the rows of a (B P, L) view, so that every stage of a part has
+its own exact extent:
+    1. ``fused_online``'s chunk statistics over each part, ``part_online[r]`` the (sum of
+       exp, max, smoothing sums) of part ``r mod P`` of row ``floor(r / P)``;
+    2. ``row_online[i]``: the P parts' pairs combined by the same online rule;
+    3. as ``fused``; the map over the view, ``dlogits_parts[r, l]`` the gradient of row
+       ``floor(r / P)``'s element ``(r mod P) L + l``, and ``dlogits`` gathered from it (a
+       reshape: a schedule inlines the gather into the map's store, which then writes
+       ``dlogits`` itself).
+    A cluster schedule gives each part a block, the P blocks of a row one cluster, and
+    exchanges the parts' pairs between 1 and 2 (``cross_entropy_grad_row_in_cluster``).
 ``from_lse``  ``t(R) -> denom | w(R) -> W | coef(S) -> dlogits(SS)``
     0. ``denom`` (mean) over the targets and ``weight_total`` (W, with weight and
        smoothing) over the weight, each a first small pass; 3. the coefficients;
@@ -112,14 +127,18 @@ from .cross_entropy import (
     sum_terms,
     target_checks,
 )
-from .primitives import DUAL_SUM, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen
+from .primitives import (
+    DUAL_SUM, ONLINE_LSE, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen,
+)
 
 GRANULES_ALGORITHM = "fused_granules"
+PARTS_ALGORITHM = "fused_parts"
+PARTS = "dlogits_parts"  # fused_parts' map, laid out as the (B P, L) view
 GRANULES = "dlogits_granules"  # fused_granules' map, laid out as the window
 # The decompositions that read the row from its window (``window_statistics``).
 WINDOWED = ("fused_window", GRANULES_ALGORITHM)
 ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp", "fused_padded",
-              "fused_window", "fused_head", GRANULES_ALGORITHM)
+              "fused_window", "fused_head", GRANULES_ALGORITHM, PARTS_ALGORITHM)
 MODE_OF = {name: "from_lse" if name.startswith("from_lse") else "fused" for name in ALGORITHMS}
 DEFAULT_FOR_MODE = {"fused": "fused", "from_lse": "from_lse"}
 # The forward decomposition whose row statistics each fused decomposition reuses.
@@ -205,12 +224,17 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
         if algorithm in WINDOWED:  # dlogits reads the row from the window
             x_map, row_max, row_sumexp, extra, window = window_statistics(
                 problem, logits, weight, idx, granules=algorithm == GRANULES_ALGORITHM)
+        elif algorithm == PARTS_ALGORITHM:  # the statistics and dlogits read the (B P, L) view
+            parts_view = logits_parts(problem, logits, idx)
+            (row_max, row_sumexp, extra), coef_stats = part_statistics(problem, parts_view, weight, idx)
         elif algorithm == "fused_head":  # the row's head from its copy, the tail from the logits
             row_src, map_src = head_sources(problem, logits, idx)
             row_max, row_sumexp, extra = row_statistics(problem, row_src, weight, STATISTICS[algorithm], idx)
             x_map = lambda i, k: widen(map_src[i, k], problem.dtype)  # noqa: E731
         else:
             row_max, row_sumexp, extra = row_statistics(problem, logits, weight, STATISTICS[algorithm], idx)
+        if algorithm != PARTS_ALGORITHM:
+            coef_stats = (row_max, row_sumexp, extra)
         lse_out = te.compute(rows, lambda i: logsumexp(row_max[i], row_sumexp[i]), name="lse")
         row_loss = te.compute(
             rows,
@@ -238,7 +262,7 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
         a = (1.0 - eps) * w_t
         if smoothing:
             if weighted:
-                total_w = extra[1][i] if fused else weight_total[zero]
+                total_w = coef_stats[2][1][i] if fused else weight_total[zero]
             else:
                 total_w = tirx.const(float(problem.classes), F32)
             a = a + (eps / problem.classes) * total_w
@@ -249,7 +273,7 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
         # Divided after the guard: a row that does not count gets 0 / sum, NaN when
         # its sum is (a NaN or +inf logit, or only -inf), so its gradient is NaN
         # everywhere as torch's ``0 * p``; the max alone skips a NaN.
-        return guarded(ok, s * a) / row_sumexp[i] if fused else guarded(ok, s * a)
+        return guarded(ok, s * a) / coef_stats[1][i] if fused else guarded(ok, s * a)
 
     def coef_b(i):
         ok, _, w_t, s, _ = coefficients(i)
@@ -264,7 +288,7 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
         return tirx.Select(ok, tc, tirx.IntImm(idx, -1))
 
     # One block per coefficient (a schedule puts each in registers at the row).
-    shift = te.compute(rows, lambda i: row_max[i] if fused else lse_in[i], name="grad_shift")
+    shift = te.compute(rows, lambda i: coef_stats[0][i] if fused else lse_in[i], name="grad_shift")
     grad_a = te.compute(rows, coef_a, name="grad_a")
     grad_b = te.compute(rows, coef_b, name="grad_b")
     grad_c = te.compute(rows, coef_c, name="grad_c") if smoothing else None
@@ -282,6 +306,8 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
 
     if algorithm == GRANULES_ALGORITHM:
         dlogits = granule_map(problem, window, grad_value, idx)
+    elif algorithm == PARTS_ALGORITHM:
+        dlogits = part_map(problem, parts_view, grad_value, idx)
     else:
         dlogits = te.compute((batch, classes), lambda i, v: grad_value(i, v, x_map(i, v)), name="dlogits")
 
@@ -461,3 +487,103 @@ def head_sources(problem, logits: te.Tensor, idx: str) -> tuple[te.Tensor, te.Te
 
     return (te.compute([batch, classes], source, name="row_src"),
             te.compute([batch, classes], source, name="map_src"))
+
+
+# fused_parts: a part of at most PART_BYTES keeps three blocks on an SM (sm_90: 227 KB of
+# shared memory); rows of more than MAX_PARTS such parts take parts of up to
+# PART_BYTES_MAX, one block an SM.
+PART_BYTES = 75 * 1024
+PART_BYTES_MAX = 200 * 1024
+MAX_PARTS = 8  # a portable thread-block cluster's blocks
+
+
+def row_parts(problem) -> int:
+    """``fused_parts``' P: the fewest parts, 2 to ``MAX_PARTS``, that cut a row into equal
+    whole 16-byte chunks of at most ``PART_BYTES``, else the most (the smallest parts, the
+    most blocks an SM) of at most ``PART_BYTES_MAX``; a
+    ValueError where none does (V not a multiple of two chunks' values, or a row past
+    ``MAX_PARTS`` x ``PART_BYTES_MAX``)."""
+    c = granule(problem.dtype)
+    row = problem.classes * DTYPE_BYTES[problem.dtype]
+    fitting = [p for p in range(2, MAX_PARTS + 1) if problem.classes % (p * c) == 0]
+    small = [p for p in fitting if row // p <= PART_BYTES]
+    if small:
+        return small[0]
+    large = [p for p in fitting if row // p <= PART_BYTES_MAX]
+    if large:
+        return large[-1]
+    raise ValueError(f"cross_entropy_grad: fused_parts cuts a row into 2 to {MAX_PARTS} equal parts of whole "
+                     f"{c}-value chunks of at most {PART_BYTES_MAX // 1024} KB; V = {problem.classes} "
+                     f"({problem.dtype}) has none")
+
+
+def logits_parts(problem, logits: te.Tensor, idx: str) -> te.Tensor:
+    """``fused_parts``' (B P, L) view of the logits, ``logits_parts[r, l] = logits[floor(r
+    / P), (r mod P) L + l]``: a stage a schedule keeps on chip, a part a block."""
+    parts = row_parts(problem)
+    P, L = tirx.IntImm(idx, parts), tirx.IntImm(idx, problem.classes // parts)
+    return te.compute([tirx.IntImm(idx, problem.batch * parts), L],
+                      lambda r, l: logits[tirx.floordiv(r, P), tirx.floormod(r, P) * L + l], name="logits_parts")
+
+
+def part_statistics(problem, view: te.Tensor, weight: te.Tensor | None, idx: str) -> tuple:
+    """``fused_parts``' steps 1-2 over the :func:`logits_parts` ``view``: twice ``(row_max,
+    row_sumexp, extra)`` as :func:`compute.cross_entropy.row_statistics` gives them,
+    from each part's online statistics over its chunks (``chunk_max``,
+    ``chunk_sumexp``, ``part_online``) combined per row: for ``lse`` and the row loss
+    (``row_online``), and for the gradient's coefficients (``row_online_map``). Two
+    combines of one expression, because a schedule computes them in different places:
+    the coefficients' in every block of the row, at the part; the outputs' in the row's
+    first block, at the row."""
+    parts, c = row_parts(problem), granule(problem.dtype)
+    length = int(view.shape[1])
+    P, L, C = (tirx.IntImm(idx, n) for n in (parts, length, c))
+    chunks = [view.shape[0], tirx.IntImm(idx, length // c)]
+    smoothing = problem.label_smoothing > 0.0
+    zero = tirx.IntImm(idx, 0)
+
+    def x(r, j, v):
+        return widen(view[r, j * C + v], problem.dtype)
+
+    v = te.reduce_axis((zero, C), name="v")
+    chunk_max = te.compute(chunks, lambda r, j: te.max(x(r, j, v), axis=v), name="chunk_max")
+    v2 = te.reduce_axis((zero, C), name="v2")
+
+    def chunk_body(r, j):
+        terms = (te.exp(x(r, j, v2) - chunk_max[r, j]),)
+        if smoothing and problem.has_weight:
+            w = weight[tirx.floormod(r, P) * L + j * C + v2]
+            terms += (w * x(r, j, v2), w)
+        elif smoothing:
+            terms += (x(r, j, v2),)
+        return sum_terms(terms, v2)
+
+    chunk_stats = te.compute(chunks, chunk_body, name="chunk_sumexp")
+    chunk_stats = chunk_stats if isinstance(chunk_stats, (list, tuple)) else [chunk_stats]
+    reducer = ONLINE_LSE[len(chunk_stats) - 1]
+    j = te.reduce_axis((zero, chunks[1]), name="j")
+    part = te.compute(chunks[:1], lambda r: reducer(
+        (chunk_stats[0][r, j], chunk_max[r, j]) + tuple(t[r, j] for t in chunk_stats[1:]), axis=j), name="part_online")
+
+    def combined(name):
+        p = te.reduce_axis((zero, P), name="p")
+        stats = te.compute(dims([problem.batch], idx), lambda i: reducer(
+            tuple(t[i * P + p] for t in part), axis=p), name=name)
+        return stats[1], stats[0], list(stats[2:])
+
+    return combined("row_online"), combined("row_online_map")
+
+
+def part_map(problem, view: te.Tensor, grad_value, idx: str) -> te.Tensor:
+    """``fused_parts``' step 3: the map over the :func:`logits_parts` ``view``, ``PARTS``,
+    then ``dlogits`` gathered from it (a reshape, which a schedule inlines into the
+    map's store)."""
+    P, L = tirx.IntImm(idx, row_parts(problem)), view.shape[1]
+
+    def position(r, l):
+        i, k = tirx.floordiv(r, P), tirx.floormod(r, P) * L + l
+        return grad_value(i, k, widen(view[r, l], problem.dtype))
+
+    mapped = te.compute(view.shape, position, name=PARTS)
+    return te.compute(dims(problem.shape, idx),
+                      lambda i, k: mapped[i * P + tirx.floordiv(k, L), tirx.floormod(k, L)], name="dlogits")

@@ -1,0 +1,163 @@
+"""Cross entropy and its gradient for rows too long for one block's shared memory: a
+row's P parts on chip in the P blocks of one thread-block cluster, the logits read once.
+
+Pattern ``t(R) -> denom, first_bad | x -> part(SS) -> chunk (max, sumexp)(SS) -> part
+(max, sumexp)(S) | cluster barrier | (max, sumexp)(S) -> coef(S) -> dlogits(SS) from chip,
+lse, row_loss | row_loss(R) -> loss``, the ``fused_parts`` decomposition: each row cut
+into P equal parts of whole 16-byte chunks (``compute.cross_entropy_grad.row_parts``: the
+fewest of at most 75 KB, three blocks an SM; 128256 bf16 in 4 of 62.6 KB, 256000 bf16 in 8),
+the statistics and the map over the (B P, L) view whose rows are the parts.
+
+Kernel 1, one block: the targets pass. Kernel 2, grid (B P,), clusters of P (a row's
+parts are consecutive blocks, one cluster), ``threads`` lanes a block:
+1. One loop over the parts (the view's rows) for every per-part and per-row block,
+   bound to ``blockIdx.x``.
+2. The part is copied into dynamic shared memory with 16-byte loads (``logits_parts``).
+3. ``part_online``: the part's online (sum of exp, max) over its 16-byte chunks, each
+   staged from the copy into registers, the lanes combined through shuffles; thread 0
+   stores the pair (global memory).
+4. A cluster barrier (:mod:`tvm_fusion.grid_barrier`, fenced): the row's P pairs are
+   stored.
+5. ``row_online_map``: every thread folds the row's P pairs in registers; the gradient's
+   coefficients from it; ``dlogits`` from the copy, the gradient in float32, 16-byte
+   stores.
+6. Thread 0 of the row's first block (part 0) folds the pairs again (``row_online``)
+   and writes ``lse`` and the row loss.
+Kernel 3, one block: the loss.
+
+Why: a row of more than 112 KB does not fit beside a second block in one SM's shared
+memory, so ``cross_entropy_grad_row_in_shared`` does not take it, and
+``cross_entropy_grad_head_in_shared`` keeps 192 KB of it on chip, one block an SM, and
+reads the rest twice: 8192x128256 bf16 at 1.18x the read + write floor on an H100
+(1.6463 ms, 2026-12-06T13:21Z, rows of results/benchmarks.csv), 1.56x on an H200
+(1.5432 ms, 2026-12-04). Cut across a cluster, the row is read from HBM once, and three
+blocks an SM overlap one part's reads with another's stores, as
+``cross_entropy_grad_row_in_shared`` does at 1.07x on 4096x32000 fp16 (H100).
+
+Why the (B P, L) view: with the parts cut by the schedule from the (B, V) row, a step
+that only some lanes take (128256 / 4 / 8 = 4008 vectors a part: no lane count of whole
+warps divides it) left TVM bounding the register stages and the gradient's
+write-back by the row, not the part, and the last lanes of each part but the last
+stored their unwritten registers over the next part's gradient. Over the view every
+stage's bounds are its part's.
+
+Applies to the fused gradient out of place (in place, a part's gradient would go over
+logits another block of the row may still read before the barrier, the row loss's
+target logit) with rows of more than 112 KB that ``row_parts`` cuts, on sm_90 and later
+(thread-block clusters).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm.target import Target
+
+from tvm_fusion import grid_barrier
+from tvm_fusion.compute.cross_entropy_grad import PARTS, PARTS_ALGORITHM, row_parts
+from tvm_fusion.contracts import CrossEntropyGradProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
+from tvm_fusion.registry import Candidate, Knobs, register
+from tvm_fusion.targets import has_clusters
+
+from ..common import (
+    coefficients_at, lane_steps, lanes_split, merge_rows, outputs_to, row_loss_name, single_thread,
+    stage_in_registers, unroll,
+)
+from .common import schedule_grad_batch_stage, schedule_grad_prologue, widest_vector
+from .cross_entropy_row_in_shared import ROW_BYTES_MAX
+
+
+@dataclass(frozen=True)
+class RowInClusterKnobs(Knobs):
+    threads: int = 512
+    vector: int = 8  # values a 16-byte vector holds (fixed by the dtype)
+    unroll: int = 16
+
+
+@register
+class CrossEntropyGradRowInCluster(Candidate):
+    name = "cross_entropy_grad_row_in_cluster"
+    op = "cross_entropy_grad"
+    target_kind = "cuda"
+    algorithm = PARTS_ALGORITHM
+    knobs = RowInClusterKnobs
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyGradProblem) -> bool:
+        if not (problem.op == self.op and problem.mode == "fused" and not problem.in_place
+                and problem.classes * DTYPE_BYTES[problem.dtype] > ROW_BYTES_MAX):
+            return False
+        try:
+            row_parts(problem)
+        except ValueError:
+            return False
+        return True
+
+    def unsupported(self, target: Target) -> str:
+        return "" if has_clusters(target) else f"its thread-block clusters need sm_90 or later, the target is {target}"
+
+    def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
+        return False
+
+    def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
+        return {"threads": [256, 512, 1024], "vector": [widest_vector(problem.dtype, problem.classes)],
+                "unroll": [4, 16]}
+
+    def default_for(self, problem: CrossEntropyGradProblem, target: Target) -> RowInClusterKnobs:
+        return RowInClusterKnobs(vector=widest_vector(problem.dtype, problem.classes))
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        parts, threads, vector, step = row_parts(problem), knobs.threads, knobs.vector, knobs.unroll
+        loss = row_loss_name(problem)
+        # Kernel 1: the targets pass.
+        schedule_grad_prologue(sch, problem)
+        # The part's copy (the view) in shared memory, read by the statistics' chunks and the map.
+        chunk_max, chunk_sum, mapped = (sch.get_sblock(n) for n in ("chunk_max", "chunk_sumexp", PARTS))
+        copy = sch.get_sblock("logits_parts")
+        sch.set_scope(copy, 0, "shared.dyn")
+        shared = sch.get(copy).writes[0].source.name
+        # The map's values in registers, stored straight into dlogits (the gather inlined).
+        store = sch.cache_write(mapped, 0, "local")
+        self.annotate_choice(sch, store, knobs)  # dlogits, the annotated block, is inlined
+        sch.reverse_compute_inline(sch.get_sblock("dlogits"))
+        # Kernel 2, a block a part (a row of the view), a row's P parts one cluster.
+        map_task = sch.get_loops(mapped)[0]
+        coefficients_at(sch, problem, map_task, "local")
+        # After the cluster barrier (below), each block folds its row's P parts in registers.
+        online = sch.get_sblock("row_online_map")
+        sch.compute_at(online, map_task, preserve_unit_loops=True)
+        outputs_to(sch, online, "local")
+        # lse and the row loss written by each row's first block, from their own fold of
+        # the row's parts: their row loop as the parts' (a unit loop split by P: a predicate).
+        outputs = merge_rows(sch, ["lse", loss])
+        online = sch.get_sblock("row_online")
+        sch.compute_at(online, outputs, preserve_unit_loops=True)
+        outputs_to(sch, online, "local")
+        _, unit = sch.split(outputs, [None, 1])
+        sch.split(unit, [1, parts])
+        outputs_task = sch.fuse(*sch.get_loops(sch.get_sblock("lse"))[:3])
+        task = sch.merge(sch.get_loops(sch.get_sblock("part_online"))[0], map_task, outputs_task)
+        sch.bind(task, "blockIdx.x")
+        grid_barrier.before_cluster(sch, sch.get_loops(sch.get_sblock("row_online_map"))[1], parts)
+        # The part's chunks across the lanes, each staged from the copy into registers.
+        serial, at, _ = lane_steps(sch, sch.get_loops(sch.get_sblock("part_online"))[1], threads)
+        unroll(sch, serial, step)
+        for block in (chunk_sum, chunk_max):
+            sch.compute_at(block, at, preserve_unit_loops=True)
+            outputs_to(sch, block, "local")
+        stage_in_registers(sch, chunk_max, shared, at)
+        # The part's copy, 16-byte loads.
+        sch.compute_at(copy, task, preserve_unit_loops=True)
+        _, _, vec = lanes_split(sch, copy, 1, threads, vector, step)
+        sch.vectorize(vec)
+        # The gradient of the part from the copy, 16-byte stores.
+        _, serial, vec = lanes_split(sch, mapped, 1, threads, vector, step)
+        sch.unroll(vec)
+        stage_in_registers(sch, mapped, shared, serial)
+        sch.reverse_compute_at(store, serial, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(store)[-1])
+        for name in ("lse", loss):
+            single_thread(sch, sch.get_sblock(name), threads)
+        # Kernel 3: the loss.
+        schedule_grad_batch_stage(sch, problem, threads)

@@ -1,0 +1,225 @@
+"""cross_entropy_grad_row_in_cluster: the fused gradient of rows too long for one block's
+shared memory, each row cut into P parts (``compute.cross_entropy_grad.row_parts``), a
+part a block on chip, a row's P blocks one thread-block cluster that exchanges the
+parts' (sum of exp, max) pairs through a cluster barrier.
+
+The decomposition is ``fused_parts``: the statistics and the map over a (B P, L) view of
+the logits, so that every stage of a part has the part's own extent. CPU: the parts'
+rule and its error; where the candidate applies; the decomposition unscheduled against
+the float64 reference (every option; float32 and float16: TVM's LLVM code generation
+does not build this function's bfloat16 form); the generated CUDA (a part copied with
+16-byte loads, one fenced cluster barrier between the parts' stores and their loads,
+16-byte gradient stores bounded by the part, lse and the row loss written by a row's
+first block only, the kernel launched in clusters of P), no spills, every knob and the
+tuner's build. GPU: the kernel on torch tensors with poisoned outputs against torch
+autograd in float64, every option, sampled knobs, NaN and +inf rows and an all-ignored
+batch.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import tvm
+
+import tvm_fusion as tf
+from helpers import default_and_sampled, has_gpu, rng, torch_or_none
+from test_bn_grid_persistent import lowered
+from test_ce_grad_window import OPTIONS, gpu_options, option_id
+from test_cross_entropy_grad import OPTIONS as OPTION_TUPLES
+from test_cross_entropy_grad import (
+    case, check_forward, check_grad, check_on_device, gpu_problem, kernel_inputs, problem_for, row_kernel,
+    run_on_device, run_unscheduled,
+)
+from tvm_fusion import grid_barrier, registry, schedules, targets
+from tvm_fusion.codegen import cuda_report, nvcc_path
+from tvm_fusion.compute import prim_func
+from tvm_fusion.compute.cross_entropy_grad import PARTS_ALGORITHM, row_parts
+from tvm_fusion.kernel import build_kernel
+from tvm_fusion.tuner import build_module
+
+torch = torch_or_none()
+CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
+NAME = "cross_entropy_grad_row_in_cluster"
+CANDIDATE = registry.get(NAME)
+
+
+def grad_problem(shape, dtype, **options):
+    return tf.make_problem("cross_entropy_grad", shape, dtype, mode="fused", **options)
+
+
+# -- the parts and where the candidate applies ----------------------------------------
+@pytest.mark.parametrize("classes, dtype, parts", [
+    (128256, "bfloat16", 4), (151936, "bfloat16", 4), (256000, "bfloat16", 8), (128256, "float32", 8),
+    (65536, "float16", 2), (32000, "float32", 2),
+    (200000, "float32", 8),  # 781 KB: past 8 parts of 75 KB, so 8 of 98 KB
+])
+def test_parts_are_the_fewest_equal_whole_chunks_that_fit(classes, dtype, parts):
+    assert row_parts(grad_problem((4, classes), dtype)) == parts
+
+
+@pytest.mark.parametrize("classes, dtype", [(50257, "bfloat16"), (4000000, "float32"), (38, "float32")])
+def test_parts_name_a_row_they_cannot_cut(classes, dtype):
+    with pytest.raises(ValueError, match="fused_parts cuts a row into 2 to 8 equal parts"):
+        row_parts(grad_problem((4, classes), dtype))
+
+
+@pytest.mark.parametrize("shape, dtype, options, applies", [
+    ((8192, 128256), "bfloat16", {}, True),
+    ((16, 32000), "float32", {"weight": True, "label_smoothing": 0.1}, True),  # 125 KB
+    ((4096, 32000), "float16", {}, False),      # 62.5 KB: one block's shared memory holds the row
+    ((16384, 50257), "bfloat16", {}, False),    # odd V: no equal parts of whole chunks
+    ((8192, 128256), "bfloat16", {"in_place": True}, False),
+])
+def test_applies_to_rows_past_one_blocks_shared_memory(shape, dtype, options, applies):
+    assert CANDIDATE.applies(grad_problem(shape, dtype, **options)) == applies
+    assert not CANDIDATE.applies(tf.make_problem("cross_entropy_grad", shape, dtype, mode="from_lse"))
+
+
+def test_needs_thread_block_clusters():
+    assert CANDIDATE.unsupported(CUDA) == ""
+    assert "sm_90" in CANDIDATE.unsupported(targets.resolve({"kind": "cuda", "arch": "sm_80"}))
+    assert NAME in schedules.DISPATCH_ORDER[("cross_entropy_grad", "cuda")]
+
+
+# -- the decomposition ----------------------------------------------------------------
+@pytest.mark.parametrize("reduction, weighted, smoothing", OPTION_TUPLES)
+@pytest.mark.parametrize("dtype, shape", [("float32", (9, 40)), ("float16", (7, 64)), ("float16", (5, 48))])
+def test_decomposition_matches_the_reference(dtype, shape, reduction, weighted, smoothing):
+    gen = rng()
+    logits, target, weight = case(gen, *shape, dtype, weighted=weighted)
+    target[1] = -100
+    problem = problem_for(logits, target, weight, reduction, smoothing, "fused")
+    inputs, dloss = kernel_inputs(problem, gen, logits, target, weight)
+    outs = run_unscheduled(prim_func(problem, PARTS_ALGORITHM), inputs)
+    check_grad(outs["dlogits"], logits, target, weight, reduction, smoothing, dloss, dtype, what=PARTS_ALGORITHM)
+    check_forward(outs, logits, target, weight, reduction, smoothing)
+
+
+# -- the generated CUDA ---------------------------------------------------------------
+CODEGEN_CASES = [((8192, 128256), "bfloat16", {}), ((16, 32000), "float32", {"weight": True, "label_smoothing": 0.1}),
+                 ((64, 65536), "float16", {"reduction": "none"}), ((2048, 256000), "bfloat16", {"reduction": "sum"}),
+                 ((32768, 151936), "bfloat16", {})]  # past 2^31 elements
+
+
+@pytest.mark.parametrize("shape, dtype, options", CODEGEN_CASES, ids=str)
+def test_cuda_source_has_a_part_a_block_and_one_cluster_barrier(shape, dtype, options):
+    problem = grad_problem(shape, dtype, **options)
+    parts = row_parts(problem)
+    row = row_kernel(build_kernel(problem, CUDA, NAME).device_source())
+    # The part copied into shared memory with 16-byte loads; the last step's lanes bounded by the part.
+    assert re.search(r"\*\((?:uint4|float4)\*\)\(logits_parts_shared_dyn_ptr \+ [^;]*= \*\((?:uint4|float4)\*\)\(logits_ptr \+", row)
+    # One barrier, fenced on both sides, under no condition, between the parts' pairs
+    # stored and loaded back.
+    assert row.count("tvm_builtin_cuda_cluster_sync();") == 1 and "grid_sync" not in row
+    at = row.index("tvm_builtin_cuda_cluster_sync();")
+    assert row[:at].rstrip().endswith("tvm_builtin_cuda_thread_fence();")
+    assert row[at:].split(";", 2)[1].strip() == "tvm_builtin_cuda_thread_fence()"
+    stored = [m.start() for m in re.finditer(r"\bpart_online_v[01]_ptr\[[^\]]*\] =", row)]
+    loaded = [m.start() for m in re.finditer(r"\bpart_online_v[01]_ptr\[", row) if m.start() not in stored]
+    assert stored and loaded and max(stored) < at < min(loaded)
+    assert row[:at].count("{") - row[:at].count("}") == 1, "the barrier under a condition"
+    # The gradient stored 16 bytes at a time, every store inside its own part: a lane's
+    # vector index against the part's vector count, never the row's or the tensor's.
+    stores = re.findall(r"if \(([^{]*)\) \{\s*\*\((?:uint4|float4)\*\)\(dlogits_ptr \+", row)
+    bare = re.findall(r"\n\s*\*\((?:uint4|float4)\*\)\(dlogits_ptr \+", row)
+    assert stores or bare
+    for guard in stores:
+        assert "blockIdx" not in guard, guard
+    # lse and the row loss: one store each, by thread 0 of the row's first block (casts
+    # dropped: past 2^31 elements the indices are int64_t).
+    plain = re.sub(r"\((?:int|int64_t)\)", "", row)
+    first = re.compile(rf"if \(+blockIdx\.x\) (& {parts - 1}|% {parts})\) < 1\) && \(\(threadIdx\.x\) < 1\)\) \{{")
+    loss = "loss" if problem.reduction == "none" else "row_loss"
+    at = plain.index("tvm_builtin_cuda_cluster_sync();")
+    for name in ("lse", loss):
+        found = [m.start() for m in re.finditer(rf"\b{name}_ptr\[[^\]]*\] =", plain)]
+        assert len(found) == 1 and found[0] > at, name
+        guards = [m.end() for m in first.finditer(plain, 0, found[0])]
+        inside = plain[guards[-1]:found[0]] if guards else "}"
+        assert inside.count("{") >= inside.count("}"), name
+
+
+def test_the_row_kernel_alone_is_launched_in_clusters_of_its_parts():
+    problem = grad_problem((8192, 128256), "bfloat16")
+    kernel = build_kernel(problem, CUDA, NAME)
+    text = "".join(f.script() for f in lowered(kernel, problem).functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+    launches = re.findall(r'T.launch_thread\("(blockIdx.x|clusterCtaIdx.x)", (\d+)\)', text)
+    assert ("clusterCtaIdx.x", "4") in launches and [n for n, _ in launches].count("clusterCtaIdx.x") == 1
+    assert launches[launches.index(("clusterCtaIdx.x", "4")) - 1] == ("blockIdx.x", str(8192 * 4))
+    assert grid_barrier.COOPERATIVE not in text
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
+@pytest.mark.parametrize("shape, dtype, options", CODEGEN_CASES[:3], ids=str)
+def test_ptx_vector_loads_shuffles_no_spills(shape, dtype, options):
+    report = cuda_report(build_kernel(grad_problem(shape, dtype, **options), CUDA, NAME))
+    assert report.vector_loads > 0 and report.shuffles > 0, report
+    assert not any(report.spill_bytes.values()) and not any(report.stack_bytes.values()), report
+
+
+def test_every_knob_config_builds():
+    problem = grad_problem((16, 128256), "float16", weight=True, label_smoothing=0.1)
+    for knobs in CANDIDATE.all_configs(problem, CUDA):
+        assert "tvm_builtin_cuda_cluster_sync();" in build_kernel(problem, CUDA, NAME, knobs).device_source(), knobs
+
+
+def test_tuners_build_launches_in_clusters_too():
+    problem = grad_problem((64, 128256), "bfloat16")
+    sch = tvm.s_tir.Schedule(prim_func(problem, PARTS_ALGORITHM))
+    CANDIDATE.apply_to(sch, problem, CUDA, tunable=True)
+    with CUDA:
+        built = build_module(sch.mod, CUDA)
+    assert "tvm_builtin_cuda_cluster_sync();" in built.imports[0].inspect_source()
+
+
+# -- on the GPU -----------------------------------------------------------------------
+GPU_SHAPES = [((16, 32000), "float32"), ((8, 128256), "bfloat16"), ((24, 65536), "float16"),
+              ((4, 256000), "bfloat16"), ((8192, 128256), "bfloat16"), ((4096, 151936), "float16"),
+              ((256, 128256), "float32")]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("options", OPTIONS, ids=option_id)
+@pytest.mark.parametrize("shape, dtype", GPU_SHAPES[:4], ids=str)
+def test_correct_on_gpu_every_option(shape, dtype, options):
+    options = gpu_options(options)
+    problem = gpu_problem(shape, options, dtype, "fused")
+    check_on_device(problem, options, build_kernel(problem, targets.resolve("cuda"), NAME), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, dtype", GPU_SHAPES, ids=str)
+def test_correct_on_gpu_sampled_knobs(shape, dtype):
+    options = {"weight": True, "label_smoothing": 0.1}
+    problem = gpu_problem(shape, options, dtype, "fused")
+    target = targets.resolve("cuda")
+    for knobs in default_and_sampled(CANDIDATE, problem, target, 3):
+        check_on_device(problem, options, build_kernel(problem, target, NAME, knobs), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+def test_all_ignored_batch_and_nan_rows_on_gpu():
+    """A batch with every row ignored (mean: NaN loss and gradient, as torch) and rows
+    holding NaN or +inf (in a row's first, inner and last part), whose gradient is NaN on
+    the whole row (every part) as torch's."""
+    import torch.nn.functional as F
+
+    x = (torch.randn(64, 65536, device="cuda") * 2).half()
+    x[3, 17], x[9, 65535], x[12, 40000] = float("nan"), float("inf"), float("inf")
+    t = torch.randint(0, 65536, (64,), device="cuda")
+    kernel = build_kernel(grad_problem((64, 65536), "float16"), targets.resolve("cuda"), NAME)
+    for target in (t, torch.full_like(t, -100)):
+        theirs = x.double().requires_grad_()
+        ref_loss = F.cross_entropy(theirs, target)
+        (ref_grad,) = torch.autograd.grad(ref_loss, theirs)
+        outs = run_on_device(kernel, [x, target], "cuda")  # outputs poisoned first
+        grad, loss = outs["dlogits"].double(), outs["loss"].double()
+        assert torch.equal(torch.isnan(grad), torch.isnan(ref_grad))
+        assert torch.isnan(loss).item() == torch.isnan(ref_loss).item()
+        finite = torch.isfinite(ref_grad)
+        assert float((grad[finite] - ref_grad[finite]).abs().max()) < 2e-3
