@@ -61,7 +61,7 @@ from tvm_fusion.registry import Candidate, Knobs, register
 from tvm_fusion.targets import has_clusters
 
 from ..common import (
-    coefficients_at, lane_steps, lanes_split, merge_rows, outputs_to, row_loss_name, single_thread,
+    coefficients_at, lane_steps, lanes_split, merge_rows, outputs_to, read_index, row_loss_name, single_thread,
     stage_in_registers, unroll,
 )
 from .common import schedule_grad_batch_stage, schedule_grad_prologue, widest_vector
@@ -146,7 +146,10 @@ class CrossEntropyGradRowInCluster(Candidate):
         for block in (chunk_sum, chunk_max):
             sch.compute_at(block, at, preserve_unit_loops=True)
             outputs_to(sch, block, "local")
-        stage_in_registers(sch, chunk_max, shared, at)
+        stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, shared), "local",
+                               consumer_blocks=[chunk_max, chunk_sum])
+        sch.compute_at(stage, at, preserve_unit_loops=True)
+        sch.vectorize(sch.get_loops(stage)[-1])
         # The part's copy, 16-byte loads.
         sch.compute_at(copy, task, preserve_unit_loops=True)
         _, _, vec = lanes_split(sch, copy, 1, threads, vector, step)
