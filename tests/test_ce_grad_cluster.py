@@ -77,6 +77,19 @@ def test_applies_to_rows_past_one_blocks_shared_memory(shape, dtype, options, ap
     assert not CANDIDATE.applies(tf.make_problem("cross_entropy_grad", shape, dtype, mode="from_lse"))
 
 
+@pytest.mark.parametrize("shape, dtype, picked", [
+    ((4096, 151936), "bfloat16", True), ((2048, 256000), "bfloat16", True), ((1024, 128256), "float32", True),
+    ((8192, 128256), "bfloat16", False),  # 250.5 KiB: a tie with head_in_shared (the docstring's H100 table)
+    ((16384, 65536), "float16", False),   # 128 KiB: head_in_shared faster
+    ((64, 151936), "bfloat16", False),    # fewer rows than SMs: untimed
+])
+def test_dispatch_picks_it_for_rows_past_256_kib(shape, dtype, picked):
+    problem = grad_problem(shape, dtype)
+    assert CANDIDATE.prefers(problem, CUDA) == picked
+    if picked:  # no shipped record for these shapes, and the cost model was trained before it
+        assert tf.dispatch.choose(problem, CUDA).candidate == NAME
+
+
 def test_needs_thread_block_clusters():
     assert CANDIDATE.unsupported(CUDA) == ""
     assert "sm_90" in CANDIDATE.unsupported(targets.resolve({"kind": "cuda", "arch": "sm_80"}))

@@ -41,6 +41,33 @@ write-back by the row, not the part, and the last lanes of each part but the las
 stored their unwritten registers over the next part's gradient. Over the view every
 stage's bounds are its part's.
 
+Measured on an H100 (2026-12-06T15:10-15:11Z, rows "probe: row_in_cluster A/B" of
+results/benchmarks.csv, tree of 7417566, copy 3017 GB/s; forward + backward, mean, under
+graph replay; each kernel checked against float64 first), ms, with the floor of one read
+and one write:
+
+=====================  ======  ====================  ====================  ======
+shape                  floor   row_in_cluster        head_in_shared        online
+                               (P, 512 lanes)        (the pick before)
+=====================  ======  ====================  ====================  ======
+8192x128256 bf16       1.3931  1.6550 (4; 1.19x)     1.6518 (1.19x)        2.4325
+4096x151936 bf16       0.8252  0.9872 (4; 1.20x)     1.1304 (1.37x)        1.2286
+2048x256000 bf16       0.6952  0.9049 (8; 1.30x)     1.0973 (1.58x)        1.2202
+1024x128256 fp32       0.3483  0.4063 (8; 1.17x)     0.5118 (1.47x)        0.5382
+16384x65536 fp16       1.4237  1.6378 (2; 1.15x)     1.4672 (1.03x)        2.1188
+=====================  ======  ====================  ====================  ======
+
+The parts' rule was the best P of 2, 4 and 8 on the first four shapes (8192x128256: 2
+parts 1.8973 at 1024 lanes, 8 parts 1.6551 at 256); 512 lanes the best or within 1%
+everywhere but 16384x65536 (256 lanes 1.5834, 4 parts at 256 lanes 1.5328), 1024 lanes
+12-24% slower. So it is dispatch's pick (``prefers``) on rows of more than 256 KiB
+(``PREFERRED_ROW_BYTES``), where the head-in-shared kernel re-reads more than a third of
+the row: 13-21% faster there. Where it ties (128256 bf16, 250.5 KiB: also the shipped
+record's shape) or loses (a 128 KiB row of which the head re-reads half, from L2) it is
+the tuner's to pick. Why it stays at 1.17-1.30x, short of the 1.07x of one block's row on
+chip, is not found yet: the parts of a row wait for each other at the barrier, each
+after its own read.
+
 Applies to the fused gradient out of place (in place, a part's gradient would go over
 logits another block of the row may still read before the barrier, the row loss's
 target logit) with rows of more than 112 KB that ``row_parts`` cuts, on sm_90 and later
@@ -58,7 +85,7 @@ from tvm_fusion.compute.cross_entropy_grad import PARTS, PARTS_ALGORITHM, row_pa
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
-from tvm_fusion.targets import has_clusters
+from tvm_fusion.targets import has_clusters, sm_count
 
 from ..common import (
     coefficients_at, lane_steps, lanes_split, merge_rows, outputs_to, read_index, row_loss_name, single_thread,
@@ -67,6 +94,7 @@ from ..common import (
 from .common import schedule_grad_batch_stage, schedule_grad_prologue, widest_vector
 from .cross_entropy_row_in_shared import ROW_BYTES_MAX
 
+PREFERRED_ROW_BYTES = 256 * 1024  # dispatch's pick on longer rows (module docstring)
 
 @dataclass(frozen=True)
 class RowInClusterKnobs(Knobs):
@@ -98,7 +126,10 @@ class CrossEntropyGradRowInCluster(Candidate):
         return "" if has_clusters(target) else f"its thread-block clusters need sm_90 or later, the target is {target}"
 
     def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
-        return False
+        # H100, 2026-12-06 (module docstring): 13-21% faster than head_in_shared on rows
+        # of 297-501 KiB and 1024 rows or more; a tie at 250.5 KiB.
+        return (problem.classes * DTYPE_BYTES[problem.dtype] > PREFERRED_ROW_BYTES
+                and problem.batch >= sm_count(target))
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
         return {"threads": [256, 512, 1024], "vector": [widest_vector(problem.dtype, problem.classes)],
