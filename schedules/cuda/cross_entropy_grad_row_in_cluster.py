@@ -68,10 +68,12 @@ the tuner's to pick. Why it stays at 1.17-1.30x, short of the 1.07x of one block
 chip, is not found yet: the parts of a row wait for each other at the barrier, each
 after its own read.
 
-Applies to the fused gradient out of place (in place, a part's gradient would go over
-logits another block of the row may still read before the barrier, the row loss's
-target logit) with rows of more than 112 KB that ``row_parts`` cuts, on sm_90 and later
-(thread-block clusters).
+Applies to the fused gradient with rows of more than 112 KB that ``row_parts`` cuts, on
+sm_90 and later (thread-block clusters). In place (``inplace_backward``, the gradient over
+the logits) as well: a block reads the logits only before the cluster barrier (its part,
+and the row loss's target logit, read first into registers), and every store of the
+gradient comes after it, so no block reads what another has written. Not timed in place
+yet, so not dispatch's pick there.
 """
 
 from __future__ import annotations
@@ -113,7 +115,7 @@ class CrossEntropyGradRowInCluster(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
-        if not (problem.op == self.op and problem.mode == "fused" and not problem.in_place
+        if not (problem.op == self.op and problem.mode == "fused"
                 and problem.classes * DTYPE_BYTES[problem.dtype] > ROW_BYTES_MAX):
             return False
         try:
@@ -128,8 +130,9 @@ class CrossEntropyGradRowInCluster(Candidate):
     def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
         # H100, 2026-12-06 (module docstring): 13-21% faster than head_in_shared on rows
         # of 297-501 KiB and 1024 rows or more; a tie at 250.5 KiB.
+        # In place it is untimed: dispatch keeps head_in_shared's in-place kernel there.
         return (problem.classes * DTYPE_BYTES[problem.dtype] > PREFERRED_ROW_BYTES
-                and problem.batch >= sm_count(target))
+                and problem.batch >= sm_count(target) and not problem.in_place)
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
         return {"threads": [256, 512, 1024], "vector": [widest_vector(problem.dtype, problem.classes)],
@@ -165,10 +168,15 @@ class CrossEntropyGradRowInCluster(Candidate):
         online = sch.get_sblock("row_online")
         sch.compute_at(online, outputs, preserve_unit_loops=True)
         outputs_to(sch, online, "local")
-        _, unit = sch.split(outputs, [None, 1])
-        sch.split(unit, [1, parts])
-        outputs_task = sch.fuse(*sch.get_loops(sch.get_sblock("lse"))[:3])
-        task = sch.merge(sch.get_loops(sch.get_sblock("part_online"))[0], map_task, outputs_task)
+        tasks = [sch.get_loops(sch.get_sblock("part_online"))[0], map_task, first_part_only(sch, outputs, parts)]
+        if problem.in_place:
+            # The row loss's one logit, read first by the row's first block, in every
+            # thread's registers: before the barrier, after which every block of the row
+            # stores its part's gradient over the logits.
+            target_logit = sch.get_sblock("target_logit")
+            outputs_to(sch, target_logit, "local")
+            tasks.insert(0, first_part_only(sch, sch.get_loops(target_logit)[0], parts))
+        task = sch.merge(*tasks)
         sch.bind(task, "blockIdx.x")
         grid_barrier.before_cluster(sch, sch.get_loops(sch.get_sblock("row_online_map"))[1], parts)
         # The part's chunks across the lanes, each staged from the copy into registers.
@@ -195,3 +203,13 @@ class CrossEntropyGradRowInCluster(Candidate):
             single_thread(sch, sch.get_sblock(name), threads)
         # Kernel 3: the loss.
         schedule_grad_batch_stage(sch, problem, threads)
+
+
+def first_part_only(sch, row, parts: int):
+    """A loop over the rows (``row``, its blocks' outer loop) as a loop over the rows'
+    parts, whose body only each row's first part runs: a unit loop split by ``parts``, a
+    predicate. Returns it, for the parts' loop to merge."""
+    block = sch.get_child_blocks(row)[0]
+    _, unit = sch.split(row, [None, 1])
+    sch.split(unit, [1, parts])
+    return sch.fuse(*sch.get_loops(block)[:3])
