@@ -199,6 +199,19 @@ def test_every_knob_config_builds():
         assert "tvm_builtin_cuda_cluster_sync();" in build_kernel(problem, CUDA, NAME, knobs).device_source(), knobs
 
 
+def test_its_choice_is_read_back_from_the_store_that_takes_over_dlogits():
+    """The schedule inlines ``dlogits`` (the gather), the block that carries a choice's
+    annotations; it writes them on the map's store too, where ``registry.annotated_choice``
+    (the tuner's and the records' reader) finds them."""
+    problem = grad_problem((64, 128256), "bfloat16")
+    knobs = CANDIDATE.knobs(threads=256, vector=8, unroll=4)
+    sch = CANDIDATE.apply(prim_func(problem, PARTS_ALGORITHM), CUDA, knobs=knobs)
+    assert registry.annotated_choice(sch, "cross_entropy_grad") == (NAME, knobs)
+    bare = tvm.s_tir.Schedule(prim_func(tf.make_problem("bn_stats", (2, 3, 4, 4), "float32"), "shifted"))
+    with pytest.raises(ValueError, match="expected one block carrying the choice of a scheduled cross_entropy_grad"):
+        registry.annotated_choice(bare, "cross_entropy_grad")
+
+
 def test_tuners_build_launches_in_clusters_too():
     problem = grad_problem((64, 128256), "bfloat16")
     sch = tvm.s_tir.Schedule(prim_func(problem, PARTS_ALGORITHM))

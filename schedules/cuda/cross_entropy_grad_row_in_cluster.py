@@ -37,9 +37,9 @@ blocks an SM overlap one part's reads with another's stores, as
 Why the (B P, L) view: with the parts cut by the schedule from the (B, V) row, a step
 that only some lanes take (128256 / 4 / 8 = 4008 vectors a part: no lane count of whole
 warps divides it) left TVM bounding the register stages and the gradient's
-write-back by the row, not the part, and the last lanes of each part but the last
-stored their unwritten registers over the next part's gradient. Over the view every
-stage's bounds are its part's.
+write-back by the row, not the part (seen in the generated CUDA of a first draft, never
+run): the last lanes of each part but the last would have stored unwritten registers
+over the next part's gradient. Over the view every stage's bounds are its part's.
 
 Measured on an H100 (2026-12-06T15:10-15:11Z, rows "probe: row_in_cluster A/B" of
 results/benchmarks.csv, tree of 7417566, copy 3017 GB/s; forward + backward, mean, under
