@@ -65,8 +65,12 @@ everywhere but 16384x65536 (256 lanes 1.5834, 4 parts at 256 lanes 1.5328), 1024
 the row: 13-21% faster there. Where it ties (128256 bf16, 250.5 KiB: also the shipped
 record's shape) or loses (a 128 KiB row of which the head re-reads half, from L2) it is
 the tuner's to pick. Why it stays at 1.17-1.30x, short of the 1.07x of one block's row on
-chip, is not found yet: the parts of a row wait for each other at the barrier, each
-after its own read.
+chip, is not found yet. Suspects, none timed apart: the parts of a row wait for each other
+at the barrier, each after its own read; a cluster's blocks must be resident together in
+one GPC; and bf16's per-value widening (shift) and narrowing: the map's loop is 101 PTX
+instructions a 16-byte vector in bf16 against 77 in fp16 (``cross_entropy_grad_row_in_shared``:
+100 against 76; PTX before ptxas, no SASS disassembler on the build machine), where the
+1.07x was fp16.
 
 Applies to the fused gradient with rows of more than 112 KB that ``row_parts`` cuts, on
 sm_90 and later (thread-block clusters). In place (``inplace_backward``, the gradient over
