@@ -164,3 +164,13 @@ def merge_rows(sch: s_tir.Schedule, names: list[str], then: LoopRV | None = None
     if then is not None:
         loops.append(then)
     return sch.merge(*loops)
+
+
+def first_part_only(sch: s_tir.Schedule, row: LoopRV, parts: int, block: SBlockRV) -> LoopRV:
+    """A loop over rows (``row``, the outer loop of ``block`` and of the blocks merged
+    with it) as a loop over the rows' ``parts`` parts whose body only each row's first
+    part runs: a unit loop split by ``parts``, a predicate. Returns it, for a loop over
+    the parts to merge (a row's outputs written once, by its first part's block)."""
+    _, unit = sch.split(row, [None, 1])
+    sch.split(unit, [1, parts])
+    return sch.fuse(*sch.get_loops(block)[:3])

@@ -26,14 +26,14 @@ import tvm
 import tvm_fusion as tf
 from helpers import default_and_sampled, has_gpu, rng, torch_or_none
 from test_bn_grid_persistent import lowered
-from test_ce_grad_window import OPTIONS, gpu_options, option_id
+from test_ce_grad_window import OPTIONS, check_nan_rows_and_all_ignored, gpu_options, option_id
 from test_cross_entropy_grad import OPTIONS as OPTION_TUPLES
 from test_cross_entropy_grad import (
-    case, check_forward, check_grad, check_on_device, gpu_problem, kernel_inputs, problem_for, row_kernel,
-    run_on_device, run_unscheduled,
+    case, check_forward, check_grad, check_on_device, check_ptx_vector_loads_shuffles_no_spills, gpu_problem,
+    kernel_inputs, problem_for, row_kernel, run_unscheduled,
 )
 from tvm_fusion import grid_barrier, registry, schedules, targets
-from tvm_fusion.codegen import cuda_report, nvcc_path
+from tvm_fusion.codegen import nvcc_path
 from tvm_fusion.compute import prim_func
 from tvm_fusion.compute.cross_entropy_grad import PARTS_ALGORITHM, row_parts
 from tvm_fusion.kernel import build_kernel
@@ -188,9 +188,7 @@ def test_the_row_kernel_alone_is_launched_in_clusters_of_its_parts():
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
 @pytest.mark.parametrize("shape, dtype, options", CODEGEN_CASES[:3], ids=str)
 def test_ptx_vector_loads_shuffles_no_spills(shape, dtype, options):
-    report = cuda_report(build_kernel(grad_problem(shape, dtype, **options), CUDA, NAME))
-    assert report.vector_loads > 0 and report.shuffles > 0, report
-    assert not any(report.spill_bytes.values()) and not any(report.stack_bytes.values()), report
+    check_ptx_vector_loads_shuffles_no_spills(build_kernel(grad_problem(shape, dtype, **options), CUDA, NAME))
 
 
 def test_every_knob_config_builds():
@@ -254,19 +252,8 @@ def test_all_ignored_batch_and_nan_rows_on_gpu():
     """A batch with every row ignored (mean: NaN loss and gradient, as torch) and rows
     holding NaN or +inf (in a row's first, inner and last part), whose gradient is NaN on
     the whole row (every part) as torch's."""
-    import torch.nn.functional as F
-
     x = (torch.randn(64, 65536, device="cuda") * 2).half()
     x[3, 17], x[9, 65535], x[12, 40000] = float("nan"), float("inf"), float("inf")
     t = torch.randint(0, 65536, (64,), device="cuda")
     kernel = build_kernel(grad_problem((64, 65536), "float16"), targets.resolve("cuda"), NAME)
-    for target in (t, torch.full_like(t, -100)):
-        theirs = x.double().requires_grad_()
-        ref_loss = F.cross_entropy(theirs, target)
-        (ref_grad,) = torch.autograd.grad(ref_loss, theirs)
-        outs = run_on_device(kernel, [x, target], "cuda")  # outputs poisoned first
-        grad, loss = outs["dlogits"].double(), outs["loss"].double()
-        assert torch.equal(torch.isnan(grad), torch.isnan(ref_grad))
-        assert torch.isnan(loss).item() == torch.isnan(ref_loss).item()
-        finite = torch.isfinite(ref_grad)
-        assert float((grad[finite] - ref_grad[finite]).abs().max()) < 2e-3
+    check_nan_rows_and_all_ignored(kernel, x, t)

@@ -417,6 +417,14 @@ def test_cpu_tune_records_dispatch_and_a_correct_kernel(tmp_path):
 
 
 # -- the CUDA candidates' generated code -------------------------------------------------
+def check_ptx_vector_loads_shuffles_no_spills(kernel) -> None:
+    """The kernel's PTX (nvcc) has 16-byte global loads and shuffles, and ptxas reports
+    no spills and no stack."""
+    report = cuda_report(kernel)
+    assert report.vector_loads > 0 and report.shuffles > 0, report
+    assert not any(report.spill_bytes.values()) and not any(report.stack_bytes.values()), report
+
+
 def row_kernel(source: str) -> str:
     """The body of the kernel that writes dlogits, up to the loss stage its last block
     runs where single_launch merged that in (after the merge's fence)."""

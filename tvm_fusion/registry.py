@@ -130,8 +130,8 @@ class Candidate:
     ) -> None:
         """Schedule ``sch`` (whose function computes ``problem``) in place."""
         root = sch.get_sblock(ANNOTATED_BLOCK[self.op])
-        sch.annotate(root, CANDIDATE_ANNOTATION, self.name)
-        if tunable:
+        if tunable:  # each knob annotated right after its sample, as the traces replay them
+            sch.annotate(root, CANDIDATE_ANNOTATION, self.name)
             values = {}
             for field, options in self.choices(problem, target).items():
                 default = getattr(self.default_for(problem, target), field)
@@ -143,8 +143,7 @@ class Candidate:
             self.schedule(sch, problem, _SampledKnobs(values))
         else:
             knobs = knobs or self.default_for(problem, target)
-            for field, value in knobs.as_dict().items():
-                sch.annotate(root, KNOB_ANNOTATION + field, value)
+            self.annotate_choice(sch, root, knobs)
             self.schedule(sch, problem, knobs)
 
     def annotate_choice(self, sch: s_tir.Schedule, block: Any, knobs: Any) -> None:

@@ -58,7 +58,8 @@ from tvm_fusion.registry import Candidate, Knobs, register
 from tvm_fusion.targets import has_clusters, sm_count
 
 from ..common import (
-    lanes_split, merge_rows, outputs_to, read_index, single_thread, stage_in_registers, thread_reduce,
+    first_part_only, lanes_split, merge_rows, outputs_to, read_index, single_thread, stage_in_registers,
+    thread_reduce,
 )
 from .common import reads_16_bytes, store_vectors, vector_choices, widest_vector
 
@@ -189,9 +190,7 @@ def outputs_in_tasks(sch, outputs, sums, count):
     for name in sums:
         sch.compute_at(sch.get_sblock(name), channel, preserve_unit_loops=True)
         outputs_to(sch, sch.get_sblock(name), "local")
-    c, unit = sch.split(channel, [None, 1])
-    sch.split(unit, [1, count])
-    return sch.fuse(*sch.get_loops(sch.get_sblock(outputs[0]))[:3])
+    return first_part_only(sch, channel, count, sch.get_sblock(outputs[0]))
 
 
 def first_thread(sch, outputs, threads) -> None:

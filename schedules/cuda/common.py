@@ -249,17 +249,19 @@ def online_chunks(sch: s_tir.Schedule, threads, unroll_step, scope: str, batch: 
     chunks_at(sch, at, source)
 
 
-def chunks_at(sch: s_tir.Schedule, at: LoopRV, source: str | None = None) -> tuple[SBlockRV, SBlockRV, SBlockRV]:
+def chunks_at(sch: s_tir.Schedule, at: LoopRV, source: str | None = None,
+              staged: str = "logits") -> tuple[SBlockRV, SBlockRV, SBlockRV]:
     """``chunk_sumexp`` and ``chunk_max`` moved under loop ``at`` in registers, the
-    chunk's logits staged there with one vector load: a ``cache_read`` of the logits,
-    or ``source``, a block that computes the chunk's values (``fused_head``'s
-    ``row_src``), moved there. Returns the two blocks and the stage."""
+    chunk's logits staged there with one vector load: a ``cache_read`` of ``staged``
+    (the logits, or their copy on chip), or ``source``, a block that computes the
+    chunk's values (``fused_head``'s ``row_src``), moved there. Returns the two blocks
+    and the stage."""
     chunk_sum, chunk_max = sch.get_sblock("chunk_sumexp"), sch.get_sblock("chunk_max")
     for block in (chunk_sum, chunk_max):
         sch.compute_at(block, at, preserve_unit_loops=True)
         outputs_to(sch, block, "local")
     if source is None:
-        stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, "logits"), "local",
+        stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, staged), "local",
                                consumer_blocks=[chunk_max, chunk_sum])
         sch.compute_at(stage, at, preserve_unit_loops=True)
         sch.vectorize(sch.get_loops(stage)[-1])

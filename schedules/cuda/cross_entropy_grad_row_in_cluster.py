@@ -94,13 +94,14 @@ from tvm_fusion.registry import Candidate, Knobs, register
 from tvm_fusion.targets import has_clusters, sm_count
 
 from ..common import (
-    coefficients_at, lane_steps, lanes_split, merge_rows, outputs_to, read_index, row_loss_name, single_thread,
+    coefficients_at, first_part_only, lane_steps, lanes_split, merge_rows, outputs_to, row_loss_name, single_thread,
     stage_in_registers, unroll,
 )
-from .common import schedule_grad_batch_stage, schedule_grad_prologue, widest_vector
+from .common import chunks_at, schedule_grad_batch_stage, schedule_grad_prologue, widest_vector
 from .cross_entropy_row_in_shared import ROW_BYTES_MAX
 
 PREFERRED_ROW_BYTES = 256 * 1024  # dispatch's pick on longer rows (module docstring)
+
 
 @dataclass(frozen=True)
 class RowInClusterKnobs(Knobs):
@@ -172,27 +173,22 @@ class CrossEntropyGradRowInCluster(Candidate):
         online = sch.get_sblock("row_online")
         sch.compute_at(online, outputs, preserve_unit_loops=True)
         outputs_to(sch, online, "local")
-        tasks = [sch.get_loops(sch.get_sblock("part_online"))[0], map_task, first_part_only(sch, outputs, parts)]
+        tasks = [sch.get_loops(sch.get_sblock("part_online"))[0], map_task,
+                 first_part_only(sch, outputs, parts, sch.get_sblock("lse"))]
         if problem.in_place:
             # The row loss's one logit, read first by the row's first block, in every
             # thread's registers: before the barrier, after which every block of the row
             # stores its part's gradient over the logits.
             target_logit = sch.get_sblock("target_logit")
             outputs_to(sch, target_logit, "local")
-            tasks.insert(0, first_part_only(sch, sch.get_loops(target_logit)[0], parts))
+            tasks.insert(0, first_part_only(sch, sch.get_loops(target_logit)[0], parts, target_logit))
         task = sch.merge(*tasks)
         sch.bind(task, "blockIdx.x")
         grid_barrier.before_cluster(sch, sch.get_loops(sch.get_sblock("row_online_map"))[1], parts)
         # The part's chunks across the lanes, each staged from the copy into registers.
         serial, at, _ = lane_steps(sch, sch.get_loops(sch.get_sblock("part_online"))[1], threads)
         unroll(sch, serial, step)
-        for block in (chunk_sum, chunk_max):
-            sch.compute_at(block, at, preserve_unit_loops=True)
-            outputs_to(sch, block, "local")
-        stage = sch.cache_read(chunk_max, read_index(sch, chunk_max, shared), "local",
-                               consumer_blocks=[chunk_max, chunk_sum])
-        sch.compute_at(stage, at, preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(stage)[-1])
+        chunks_at(sch, at, staged=shared)
         # The part's copy, 16-byte loads.
         sch.compute_at(copy, task, preserve_unit_loops=True)
         _, _, vec = lanes_split(sch, copy, 1, threads, vector, step)
@@ -207,13 +203,3 @@ class CrossEntropyGradRowInCluster(Candidate):
             single_thread(sch, sch.get_sblock(name), threads)
         # Kernel 3: the loss.
         schedule_grad_batch_stage(sch, problem, threads)
-
-
-def first_part_only(sch, row, parts: int):
-    """A loop over the rows (``row``, its blocks' outer loop) as a loop over the rows'
-    parts, whose body only each row's first part runs: a unit loop split by ``parts``, a
-    predicate. Returns it, for the parts' loop to merge."""
-    block = sch.get_child_blocks(row)[0]
-    _, unit = sch.split(row, [None, 1])
-    sch.split(unit, [1, parts])
-    return sch.fuse(*sch.get_loops(block)[:3])

@@ -177,43 +177,25 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
         chunks = (problem.classes + chunk - 1) // chunk
         if algorithm == "split_online":
             chunks = -(-chunks // SPLIT_GRAIN) * SPLIT_GRAIN
-        v = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, chunk)), name="v")
-        v2 = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, chunk)), name="v2")
         ragged = chunks * chunk != problem.classes
 
         def col(j, vv):
             return j * tirx.IntImm(idx, chunk) + vv
 
-        def xv(i, j, vv, pad):
+        def xv(i, j, vv):
             if not ragged:
                 return x(i, col(j, vv))
             inside = col(j, vv) < classes
-            return tirx.if_then_else(inside, x(i, col(j, vv)), tirx.const(pad, "float32"))
+            return tirx.if_then_else(inside, x(i, col(j, vv)), tirx.const(-float("inf"), "float32"))
 
-        row_chunks = [batch, tirx.IntImm(idx, chunks)]
-        chunk_max = te.compute(
-            row_chunks, lambda i, j: te.max(xv(i, j, v, -float("inf")), axis=v), name="chunk_max"
-        )
+        def extras(i, j, vv):
+            terms = smooth_terms(i, col(j, vv))
+            if not ragged:
+                return terms
+            inside = col(j, vv) < classes
+            return tuple(tirx.if_then_else(inside, term, tirx.const(0.0, "float32")) for term in terms)
 
-        def chunk_body(i, j):
-            terms = (exp(xv(i, j, v2, -float("inf")) - chunk_max[i, j]),)
-            if smoothing:
-                inside = col(j, v2) < classes if ragged else None
-                for term in smooth_terms(i, col(j, v2)):
-                    terms += (term if not ragged else tirx.if_then_else(inside, term, tirx.const(0.0, "float32")),)
-            return sum_terms(terms, v2)
-
-        chunk_stats = te.compute(row_chunks, chunk_body, name="chunk_sumexp")
-        chunk_stats = chunk_stats if isinstance(chunk_stats, (list, tuple)) else [chunk_stats]
-        reducer = ONLINE_LSE[n_extra]
-        j = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, chunks)), name="j")
-
-        def online_body(i):
-            return reducer(
-                (chunk_stats[0][i, j], chunk_max[i, j]) + tuple(t[i, j] for t in chunk_stats[1:]), axis=j
-            )
-
-        stats = te.compute(rows, online_body, name="row_online")
+        stats = online_chunk_statistics([batch, tirx.IntImm(idx, chunks)], chunk, idx, xv, extras)
         row_sumexp, row_max, extra = stats[0], stats[1], list(stats[2:])
 
     return row_max, row_sumexp, extra
@@ -233,6 +215,29 @@ def poly_exp_body(classes: int) -> int:
     if classes % 4 == 0 or classes < POLY_EXP_GRAIN:
         return classes
     return classes - classes % POLY_EXP_GRAIN
+
+
+def online_chunk_statistics(row_chunks: list, chunk: int, idx: str, value, extras, name: str = "row_online") -> list:
+    """The online statistics over 16-byte chunks, ``[sum of exp, max, *extras' sums]``
+    per row (block ``name``): each chunk's max (``chunk_max``) and its sum of exp
+    against it with the extras' sums (``chunk_sumexp``) over its ``chunk`` values, in
+    registers, then the chunks folded by the online rule (``ONLINE_LSE``): 1 + 2 /
+    chunk exps an element. ``row_chunks``: (rows, chunks); ``value(i, j, v)``: value v
+    of chunk j of row i, widened, -inf where masked; ``extras(i, j, v)``: its smoothing
+    terms, a tuple (0 where masked)."""
+    zero = tirx.IntImm(idx, 0)
+    v = te.reduce_axis((zero, tirx.IntImm(idx, chunk)), name="v")
+    v2 = te.reduce_axis((zero, tirx.IntImm(idx, chunk)), name="v2")
+    chunk_max = te.compute(row_chunks, lambda i, j: te.max(value(i, j, v), axis=v), name="chunk_max")
+    chunk_stats = te.compute(
+        row_chunks,
+        lambda i, j: sum_terms((te.exp(value(i, j, v2) - chunk_max[i, j]),) + extras(i, j, v2), v2),
+        name="chunk_sumexp")
+    chunk_stats = chunk_stats if isinstance(chunk_stats, (list, tuple)) else [chunk_stats]
+    j = te.reduce_axis((zero, row_chunks[1]), name="j")
+    stats = te.compute(row_chunks[:1], lambda i: ONLINE_LSE[len(chunk_stats) - 1](
+        (chunk_stats[0][i, j], chunk_max[i, j]) + tuple(t[i, j] for t in chunk_stats[1:]), axis=j), name=name)
+    return list(stats)
 
 
 def sum_terms(terms: tuple, axis) -> te.Tensor | tuple:
@@ -361,24 +366,9 @@ def aligned_row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None,
         start = tirx.floordiv(i * classes, C) * C - i * classes
         return start + (tirx.min(j, last) + tirx.IntImm(idx, 1)) * C + vv
 
-    v = te.reduce_axis((tirx.IntImm(idx, 0), C), name="v")
-    v2 = te.reduce_axis((tirx.IntImm(idx, 0), C), name="v2")
-    row_chunks = [batch, tirx.IntImm(idx, body)]
-    chunk_max = te.compute(row_chunks, lambda i, j: te.max(x(i, col(i, j, v)), axis=v), name="chunk_max")
-
-    def chunk_body(i, j):
-        k = col(i, j, v2)
-        return sum_terms((te.exp(x(i, k) - chunk_max[i, j]),) + smooth_terms(i, k), v2)
-
-    chunk_stats = te.compute(row_chunks, chunk_body, name="chunk_sumexp")
-    chunk_stats = chunk_stats if isinstance(chunk_stats, (list, tuple)) else [chunk_stats]
-    j = te.reduce_axis((tirx.IntImm(idx, 0), tirx.IntImm(idx, body)), name="j")
-    online = te.compute(
-        rows,
-        lambda i: ONLINE_LSE[n_extra](
-            (chunk_stats[0][i, j], chunk_max[i, j]) + tuple(t[i, j] for t in chunk_stats[1:]), axis=j),
-        name="row_online",
-    )
+    online = online_chunk_statistics([batch, tirx.IntImm(idx, body)], c, idx,
+                                     lambda i, j, vv: x(i, col(i, j, vv)),
+                                     lambda i, j, vv: smooth_terms(i, col(i, j, vv)))
 
     # Edges: e < c is the head's granule (element e - a_i, inside when e >= a_i), the
     # rest the tail (element c * body + e - a_i, inside when below V).

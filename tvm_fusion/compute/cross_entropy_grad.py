@@ -119,6 +119,7 @@ from ..contracts.cross_entropy_grad import CrossEntropyGradProblem
 from .cross_entropy import (
     bad_row_value,
     guarded,
+    online_chunk_statistics,
     placeholders,
     row_loss_value,
     row_ok,
@@ -538,32 +539,21 @@ def part_statistics(problem, view: te.Tensor, weight: te.Tensor | None, idx: str
     parts, c = row_parts(problem), granule(problem.dtype)
     length = int(view.shape[1])
     P, L, C = (tirx.IntImm(idx, n) for n in (parts, length, c))
-    chunks = [view.shape[0], tirx.IntImm(idx, length // c)]
     smoothing = problem.label_smoothing > 0.0
-    zero = tirx.IntImm(idx, 0)
 
     def x(r, j, v):
         return widen(view[r, j * C + v], problem.dtype)
 
-    v = te.reduce_axis((zero, C), name="v")
-    chunk_max = te.compute(chunks, lambda r, j: te.max(x(r, j, v), axis=v), name="chunk_max")
-    v2 = te.reduce_axis((zero, C), name="v2")
-
-    def chunk_body(r, j):
-        terms = (te.exp(x(r, j, v2) - chunk_max[r, j]),)
+    def extras(r, j, v):
         if smoothing and problem.has_weight:
-            w = weight[tirx.floormod(r, P) * L + j * C + v2]
-            terms += (w * x(r, j, v2), w)
-        elif smoothing:
-            terms += (x(r, j, v2),)
-        return sum_terms(terms, v2)
+            w = weight[tirx.floormod(r, P) * L + j * C + v]
+            return (w * x(r, j, v), w)
+        return (x(r, j, v),) if smoothing else ()
 
-    chunk_stats = te.compute(chunks, chunk_body, name="chunk_sumexp")
-    chunk_stats = chunk_stats if isinstance(chunk_stats, (list, tuple)) else [chunk_stats]
-    reducer = ONLINE_LSE[len(chunk_stats) - 1]
-    j = te.reduce_axis((zero, chunks[1]), name="j")
-    part = te.compute(chunks[:1], lambda r: reducer(
-        (chunk_stats[0][r, j], chunk_max[r, j]) + tuple(t[r, j] for t in chunk_stats[1:]), axis=j), name="part_online")
+    part = online_chunk_statistics([view.shape[0], tirx.IntImm(idx, length // c)], c, idx, x, extras,
+                                   name="part_online")
+    reducer = ONLINE_LSE[len(part) - 2]
+    zero = tirx.IntImm(idx, 0)
 
     def combined(name):
         p = te.reduce_axis((zero, P), name="p")
