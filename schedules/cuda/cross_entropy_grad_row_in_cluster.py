@@ -64,20 +64,42 @@ everywhere but 16384x65536 (256 lanes 1.5834, 4 parts at 256 lanes 1.5328), 1024
 (``PREFERRED_ROW_BYTES``), where the head-in-shared kernel re-reads more than a third of
 the row: 13-21% faster there. Where it ties (128256 bf16, 250.5 KiB: also the shipped
 record's shape) or loses (a 128 KiB row of which the head re-reads half, from L2) it is
-the tuner's to pick. Why it stays at 1.17-1.30x, short of the 1.07x of one block's row on
-chip, is not found yet. Suspects, none timed apart: the parts of a row wait for each other
-at the barrier, each after its own read; a cluster's blocks must be resident together in
-one GPC; and bf16's per-value widening (shift) and narrowing: the map's loop is 101 PTX
-instructions a 16-byte vector in bf16 against 77 in fp16 (``cross_entropy_grad_row_in_shared``:
-100 against 76; PTX before ptxas, no SASS disassembler on the build machine), where the
-1.07x was fp16.
+the tuner's to pick. Why it stays at 1.17-1.30x, short of the 1.07x of one block's row
+on chip: the probes below.
 
 Applies to the fused gradient with rows of more than 112 KB that ``row_parts`` cuts, on
 sm_90 and later (thread-block clusters). In place (``inplace_backward``, the gradient over
 the logits) as well: a block reads the logits only before the cluster barrier (its part,
 and the row loss's target logit, read first into registers), and every store of the
-gradient comes after it, so no block reads what another has written. Not timed in place
-yet, so not dispatch's pick there.
+gradient comes after it, so no block reads what another has written. In place on an H100
+(2026-12-06T16:49Z, rows "probe: in place", tree of 8e2cf27, copy 3030 GB/s; each kernel
+checked against float64 first), ms, against the in-place kernel of dispatch's pick before
+(head_in_shared, through the out-of-place record): 8192x128256 bf16 1.6847 against 1.7748,
+4096x151936 bf16 1.0805 against 1.0912, 2048x256000 bf16 0.9063 against 1.1368, 1024x128256
+fp32 0.4126 against 0.5247. So ``prefers`` takes it in place on the same rows as out of
+place.
+
+Where the 1.17-1.30x goes (H100, 2026-12-06T16:48Z and 17:10Z, rows "probe: phases" and
+"probe: phases 2"; the kernel's CUDA changed before compile through TVM's
+``tvm_callback_cuda_postproc``, wrong results by design, each against the kernel as built
+in the same run):
+
+- Not the read-all, barrier, write-all structure: the kernel's own copy into shared memory,
+  then its chunks stored straight back (no statistics, no map), runs at 1.02x the floor on
+  8192x128256 bf16 and fp16 (1.4063 and 1.4056 ms), 1.01x with the cluster barrier between
+  (1.3964, 1.3977), against 1.6539 and 1.7200 as built.
+- Not the barrier's wait: without it 1.6837 (bf16) and 1.6259 (fp16).
+- Not the exps: each ``expf`` changed to an add, 1.6324 against 1.6666.
+- Not bf16: fp16 is no faster (1.7200 against 1.6539).
+- The parts: on 4096x32000 fp16, whose 62.5 KB row ``cross_entropy_grad_row_in_shared``
+  keeps in one block at 1.06x (0.1826 ms; 1.01x on 32768x32000, 1.3920 ms), this kernel at
+  2 parts takes 0.2095 (1.21x) and at 4 parts 0.2755 (1.60x). With the same work an element,
+  the cost grows with the blocks a row: a block's serial steps past its copy (statistics,
+  two block reductions, the pair's store, fences and barrier, the P pairs read back from
+  L2, the coefficients) look like a fixed latency a part, hidden only while other blocks'
+  copies are in flight, with shared memory capping those at three 62.6 KB parts: a
+  hypothesis, not yet timed apart (next: the pairs exchanged through distributed shared
+  memory instead of L2 and fences).
 """
 
 from __future__ import annotations
@@ -134,10 +156,10 @@ class CrossEntropyGradRowInCluster(Candidate):
 
     def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
         # H100, 2026-12-06 (module docstring): 13-21% faster than head_in_shared on rows
-        # of 297-501 KiB and 1024 rows or more; a tie at 250.5 KiB.
-        # In place it is untimed: dispatch keeps head_in_shared's in-place kernel there.
+        # of 297-501 KiB and 1024 rows or more, a tie at 250.5 KiB; in place 1-21% faster
+        # on those rows, 5% at 250.5 KiB (whose shipped record dispatch takes first).
         return (problem.classes * DTYPE_BYTES[problem.dtype] > PREFERRED_ROW_BYTES
-                and problem.batch >= sm_count(target) and not problem.in_place)
+                and problem.batch >= sm_count(target))
 
     def choices(self, problem: CrossEntropyGradProblem, target: Target) -> dict[str, list[int]]:
         return {"threads": [256, 512, 1024], "vector": [widest_vector(problem.dtype, problem.classes)],
