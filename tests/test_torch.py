@@ -496,7 +496,8 @@ def test_in_place_problem_is_its_own_kernel_without_no_alias():
 @gpu
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 @pytest.mark.parametrize("options", OPTIONS[:4], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.items()) or "default")
-@pytest.mark.parametrize("batch, classes", [(300, 1001), (512, 32000), (5, 50257), (3, 128256), (7, 10)])
+# (160, 151936): rows past 256 KiB and a row an SM, cross_entropy_grad_row_in_cluster in place
+@pytest.mark.parametrize("batch, classes", [(300, 1001), (512, 32000), (5, 50257), (3, 128256), (7, 10), (160, 151936)])
 def test_inplace_backward_on_gpu(dtype, options, batch, classes):
     logits, target, weight, kwargs = make_inputs(rng(), batch, classes, dtype, options, device="cuda")
     check_in_place(logits, target, weight, kwargs, dtype)
