@@ -190,6 +190,19 @@ def check_channel_block_source(kernel, problem, knobs, output: str, shuffles: bo
         assert ("*(uint4*)(x_ptr" in source or copied) and f"*(uint4*)({output}_ptr" in source, knobs
 
 
+def check_cluster_barrier(source: str, body: str) -> None:
+    """``body`` (one kernel of ``source``) waits at its cluster barrier through
+    ``grid_barrier``'s helper, defined in ``source`` with the arrive and the wait as
+    ``asm`` that clobbers memory (so nvcc moves no access across them), and no fence:
+    the barrier's cluster-scope release and acquire order the exchange."""
+    from tvm_fusion import grid_barrier
+
+    assert grid_barrier.CLUSTER_SYNC_SOURCE.strip() in source
+    assert source.count('"memory"') >= 2 and "barrier.cluster.arrive" in grid_barrier.CLUSTER_SYNC_SOURCE
+    assert grid_barrier.CLUSTER_SYNC_CALL in body and "tvm_builtin_cuda_cluster_sync" not in body
+    assert "thread_fence" not in body and "__threadfence" not in body
+
+
 def check_compiles_without_spills(kernel) -> None:
     """nvcc's report of the kernel: no spills, 16-byte loads and shuffles in the PTX."""
     from tvm_fusion.codegen import cuda_report

@@ -4,8 +4,8 @@ one thread-block cluster, a cluster barrier between the partial sums and the map
 (tvm_fusion.grid_barrier.before_cluster).
 
 Where they apply (at most 8 parts a channel: a portable cluster), what their CUDA code
-must show (one cluster barrier between the partials' stores and their loads, fenced on
-both sides, under no condition; a block a task; no grid barrier), that the kernel with
+must show (one cluster barrier between the partials' stores and their loads, no fence
+beside it, under no condition; a block a task; no grid barrier), that the kernel with
 the barrier alone is launched in clusters of P (no cooperative launch), and that a grid
 which is no whole number of clusters is refused. Their spills, trace replays and GPU
 checks (every knob sample against the float64 reference, |mean| >> std included,
@@ -17,6 +17,7 @@ import re
 import pytest
 import tvm
 
+from helpers import check_cluster_barrier
 from test_bn_grid_persistent import backward_problem, kernel_bodies, lowered, problem
 from tvm_fusion import grid_barrier, registry, targets
 from tvm_fusion.compute import bn_stats
@@ -94,16 +95,15 @@ def test_does_not_apply_past_eight_parts(cand, make):
 
 
 def check_cluster_source(kernel, partials: str, parts: int) -> str:
-    """A block a (channel, part) task, no rounds; one cluster barrier, fenced on both
-    sides, after the partials' stores and before their loads, under no condition; no
+    """A block a (channel, part) task, no rounds; one cluster barrier (no fence beside
+    it), after the partials' stores and before their loads, under no condition; no
     grid barrier. Returns the first kernel's source."""
     first, outputs = kernel_bodies(kernel.device_source())
     assert "cluster_sync" not in outputs and "grid_sync" not in first + outputs
     assert not re.search(r"for \(int c_p_fused", first), "no rounds"
-    assert first.count("tvm_builtin_cuda_cluster_sync();") == 1
-    at = first.index("tvm_builtin_cuda_cluster_sync();")
-    assert first[:at].rstrip().endswith("tvm_builtin_cuda_thread_fence();")
-    assert first[at:].split(";", 2)[1].strip() == "tvm_builtin_cuda_thread_fence()"
+    assert first.count(grid_barrier.CLUSTER_SYNC_CALL) == 1
+    at = first.index(grid_barrier.CLUSTER_SYNC_CALL)
+    check_cluster_barrier(kernel.device_source(), first)
     stored = [m.start() for m in re.finditer(rf"\b{partials}_v[01]_ptr\[[^\]]*\] =", first)]
     loaded = [m.start() for m in re.finditer(rf"= \([^;]*\b{partials}_v[01]_ptr\[", first)]
     assert stored and loaded and max(stored) < at < min(loaded)
@@ -126,7 +126,7 @@ def test_forward_cuda_source_has_the_cluster_barrier(cand, shape, dtype, parts):
 def test_backward_cuda_source_has_the_cluster_barrier(shape, dtype, parts):
     kernel = build_kernel(backward_problem(shape, dtype), CUDA, BACKWARD.name)
     first = check_cluster_source(kernel, "part_grad_sums", parts)
-    at = first.index("tvm_builtin_cuda_cluster_sync();")
+    at = first.index(grid_barrier.CLUSTER_SYNC_CALL)
     assert not re.search(r"\b(x|dy)_ptr\b", first[at:]), "dx from the copies only"
 
 
@@ -142,8 +142,8 @@ def test_one_launch_writes_each_channels_outputs_from_its_first_block(shape, dty
     source = kernel.device_source()
     assert source.count('extern "C" __global__') == 2, "one kernel (its declaration and its definition)"
     body = source.split('extern "C" __global__')[-1]
-    at = body.index("tvm_builtin_cuda_cluster_sync();")
-    assert ONE_LAUNCH.cluster(p) == parts and body.count("tvm_builtin_cuda_cluster_sync();") == 1
+    at = body.index(grid_barrier.CLUSTER_SYNC_CALL)
+    assert ONE_LAUNCH.cluster(p) == parts and body.count(grid_barrier.CLUSTER_SYNC_CALL) == 1
     guard = re.compile(rf"if \(+\(int\)blockIdx\.x\) (& {parts - 1}|% {parts})\) < 1\) && \(\(\(int\)threadIdx\.x\) < 1\)\) \{{")
     for name in channel_outputs(p):
         stores = [m.start() for m in re.finditer(rf"\b{name}_ptr\[[^\]]*\] =", body)]
@@ -228,7 +228,7 @@ ROUNDS = [(registry.get("bn_forward_cluster_rounds"), problem, "part_moments", 4
 def test_the_rounds_candidates_wait_at_a_cluster_barrier_each_round(cand, make, partials, parts, grid):
     """64x256x56x56 fp16: G blocks (a multiple of P that divides the 1024 tasks, as many as
     fit the SMs' shared memory: two 100 KB forward blocks an SM, one 200 KB backward
-    block) walk the tasks in rounds; in the round loop one fenced cluster barrier between
+    block) walk the tasks in rounds; in the round loop one cluster barrier between
     the partials' stores and loads; launched in clusters of P, not cooperatively."""
     p = make((64, 256, 56, 56), "float16")
     knobs = cand.default_for(p, CUDA)
@@ -240,9 +240,10 @@ def test_the_rounds_candidates_wait_at_a_cluster_barrier_each_round(cand, make, 
     assert "cluster_sync" not in outputs and "grid_sync" not in first + outputs
     rounds = re.search(r"for \(int c_p_fused_0\w* = 0; c_p_fused_0\w* < (\d+);", first)
     assert rounds and int(rounds.group(1)) == 1024 // grid, "the rounds"
-    assert first.count("tvm_builtin_cuda_cluster_sync();") == 1
-    at = first.index("tvm_builtin_cuda_cluster_sync();")
-    assert at > rounds.start() and first[:at].rstrip().endswith("tvm_builtin_cuda_thread_fence();")
+    assert first.count(grid_barrier.CLUSTER_SYNC_CALL) == 1
+    at = first.index(grid_barrier.CLUSTER_SYNC_CALL)
+    assert at > rounds.start()
+    check_cluster_barrier(kernel.device_source(), first)
     stored = [m.start() for m in re.finditer(rf"\b{partials}_v[01]_ptr\[[^\]]*\] =", first)]
     loaded = [m.start() for m in re.finditer(rf"= \([^;]*\b{partials}_v[01]_ptr\[", first)]
     assert stored and loaded and max(stored) < at < min(loaded)

@@ -8,7 +8,7 @@ the logits, so that every stage of a part has the part's own extent. CPU: the pa
 rule and its error; where the candidate applies; the decomposition unscheduled against
 the float64 reference (every option; float32 and float16: TVM's LLVM code generation
 does not build this function's bfloat16 form); the generated CUDA (a part copied with
-16-byte loads, one fenced cluster barrier between the parts' stores and their loads,
+16-byte loads, one cluster barrier between the parts' stores and their loads,
 16-byte gradient stores bounded by the part, lse and the row loss written by a row's
 first block only, the kernel launched in clusters of P), no spills, every knob and the
 tuner's build. GPU: the kernel on torch tensors with poisoned outputs against torch
@@ -24,7 +24,7 @@ import pytest
 import tvm
 
 import tvm_fusion as tf
-from helpers import default_and_sampled, has_gpu, rng, torch_or_none
+from helpers import check_cluster_barrier, default_and_sampled, has_gpu, rng, torch_or_none
 from test_bn_grid_persistent import lowered
 from test_ce_grad_window import OPTIONS, check_nan_rows_and_all_ignored, gpu_options, option_id
 from test_cross_entropy_grad import OPTIONS as OPTION_TUPLES
@@ -123,16 +123,16 @@ CODEGEN_CASES = [((8192, 128256), "bfloat16", {}), ((16, 32000), "float32", {"we
 def test_cuda_source_has_a_part_a_block_and_one_cluster_barrier(shape, dtype, options):
     problem = grad_problem(shape, dtype, **options)
     parts = row_parts(problem)
-    row = row_kernel(build_kernel(problem, CUDA, NAME).device_source())
+    source = build_kernel(problem, CUDA, NAME).device_source()
+    row = row_kernel(source)
     # The part copied into shared memory with 16-byte loads; the last step's lanes bounded by the part.
     # (into a uint4 array of shared memory, or through a cast)
     assert re.search(r"logits_parts_shared_dyn_ptr[ \[][^;]*= \*\((?:uint4|float4)\*\)\(logits_ptr \+", row)
-    # One barrier, fenced on both sides, under no condition, between the parts' pairs
+    # One barrier (its asm clobbering memory, no fence beside it), under no condition, between the parts' pairs
     # stored and loaded back.
-    assert row.count("tvm_builtin_cuda_cluster_sync();") == 1 and "grid_sync" not in row
-    at = row.index("tvm_builtin_cuda_cluster_sync();")
-    assert row[:at].rstrip().endswith("tvm_builtin_cuda_thread_fence();")
-    assert row[at:].split(";", 2)[1].strip() == "tvm_builtin_cuda_thread_fence()"
+    assert row.count(grid_barrier.CLUSTER_SYNC_CALL) == 1 and "grid_sync" not in row
+    at = row.index(grid_barrier.CLUSTER_SYNC_CALL)
+    check_cluster_barrier(source, row)
     stored = [m.start() for m in re.finditer(r"\bpart_online_v[01]_ptr\[[^\]]*\] =", row)]
     loaded = [m.start() for m in re.finditer(r"\bpart_online_v[01]_ptr\[", row) if m.start() not in stored]
     assert stored and loaded and max(stored) < at < min(loaded)
@@ -149,7 +149,7 @@ def test_cuda_source_has_a_part_a_block_and_one_cluster_barrier(shape, dtype, op
     plain = re.sub(r"\((?:int|int64_t)\)", "", row)
     first = re.compile(rf"if \(+blockIdx\.x\) (& {parts - 1}|% {parts})\) < 1\) && \(\(threadIdx\.x\) < 1\)\) \{{")
     loss = "loss" if problem.reduction == "none" else "row_loss"
-    at = plain.index("tvm_builtin_cuda_cluster_sync();")
+    at = plain.index(grid_barrier.CLUSTER_SYNC_CALL)
     for name in ("lse", loss):
         found = [m.start() for m in re.finditer(rf"\b{name}_ptr\[[^\]]*\] =", plain)]
         assert len(found) == 1 and found[0] > at, name
@@ -167,7 +167,7 @@ def test_in_place_the_logits_are_read_before_the_barrier_and_written_after(shape
     source = build_kernel(problem, CUDA, NAME).device_source()
     assert "__restrict__" not in source
     row = row_kernel(source)
-    at = row.index("tvm_builtin_cuda_cluster_sync();")
+    at = row.index(grid_barrier.CLUSTER_SYNC_CALL)
     reads = [m.start() for m in re.finditer(r"[^d]logits_ptr[ \[]", row)]
     stores = [m.start() for m in re.finditer(r"\(dlogits_ptr \+", row)]
     assert reads and stores and max(reads) < at < min(stores)
@@ -196,7 +196,7 @@ def test_ptx_vector_loads_shuffles_no_spills(shape, dtype, options):
 def test_every_knob_config_builds():
     problem = grad_problem((16, 128256), "float16", weight=True, label_smoothing=0.1)
     for knobs in CANDIDATE.all_configs(problem, CUDA):
-        assert "tvm_builtin_cuda_cluster_sync();" in build_kernel(problem, CUDA, NAME, knobs).device_source(), knobs
+        assert grid_barrier.CLUSTER_SYNC_CALL in build_kernel(problem, CUDA, NAME, knobs).device_source(), knobs
 
 
 def test_its_choice_is_read_back_from_the_store_that_takes_over_dlogits():
@@ -218,7 +218,7 @@ def test_tuners_build_launches_in_clusters_too():
     CANDIDATE.apply_to(sch, problem, CUDA, tunable=True)
     with CUDA:
         built = build_module(sch.mod, CUDA)
-    assert "tvm_builtin_cuda_cluster_sync();" in built.imports[0].inspect_source()
+    assert grid_barrier.CLUSTER_SYNC_CALL in built.imports[0].inspect_source()
 
 
 # -- on the GPU -----------------------------------------------------------------------

@@ -16,8 +16,8 @@ parts are consecutive blocks, one cluster), ``threads`` lanes a block:
 3. ``part_online``: the part's online (sum of exp, max) over its 16-byte chunks, each
    staged from the copy into registers, the lanes combined through shuffles; thread 0
    stores the pair (global memory).
-4. A cluster barrier (:mod:`tvm_fusion.grid_barrier`, fenced): the row's P pairs are
-   stored.
+4. A cluster barrier (:mod:`tvm_fusion.grid_barrier`: release and acquire at cluster
+   scope): the row's P pairs are stored.
 5. ``row_online_map``: every thread folds the row's P pairs in registers; the gradient's
    coefficients from it; ``dlogits`` from the copy, the gradient in float32, 16-byte
    stores.
