@@ -18,11 +18,14 @@ PTX defaults), which order every thread's memory accesses before the barrier aga
 every cluster thread's after it, global memory included. It is emitted as
 ``tvm_fusion_cluster_sync()`` (:data:`CLUSTER_SYNC_SOURCE`), whose ``asm`` carries a
 memory clobber so that nvcc moves no load or store across it. TVM's own
-``T.cuda.cluster_sync()`` has no clobber, and ``__threadfence()`` on both sides of it
-(until 2026-12-06) cost 9% of cross_entropy_grad_row_in_cluster's time on 8192x128256
-bf16 (H100: 1.6515 ms fenced against 1.5015 without, rows "probe: phases 3" of
-results/benchmarks.csv): a full gpu-scope fence in every thread, where the barrier's
-cluster-scope release and acquire already order the exchange. The kernel with the
+``T.cuda.cluster_sync()`` has no clobber; until 2026-12-06 it stood between two
+``__threadfence()``, a gpu-scope fence in every thread where the barrier's cluster-scope
+release and acquire already order the exchange. Without them (H100, 2026-12-06T17:42Z and
+17:44Z, rows "probe: barrier A/B" of results/benchmarks.csv, both barriers built in one
+process, each kernel checked against float64 first): cross_entropy_grad_row_in_cluster
+2-7% faster (8192x128256 bf16 1.5660 ms against 1.6607, 1024x128256 fp32 0.3739 against
+0.4015), bn_forward_cluster_half_one_launch 3% (64x256x56x56 fp16 0.0844 against
+0.0868). The kernel with the
 barrier (not the function's other kernels) gets
 a ``clusterCtaIdx.x`` launch dimension of the cluster's size inside its ``blockIdx.x``
 one, which TVM's CUDA runtime turns into ``cuLaunchKernelEx`` with that cluster size

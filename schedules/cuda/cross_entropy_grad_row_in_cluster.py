@@ -60,11 +60,29 @@ shape                  floor   row_in_cluster        head_in_shared        onlin
 The parts' rule was the best P of 2, 4 and 8 on the first four shapes (8192x128256: 2
 parts 1.8973 at 1024 lanes, 8 parts 1.6551 at 256); 512 lanes the best or within 1%
 everywhere but 16384x65536 (256 lanes 1.5834, 4 parts at 256 lanes 1.5328), 1024 lanes
-12-24% slower. So it is dispatch's pick (``prefers``) on rows of more than 256 KiB
-(``PREFERRED_ROW_BYTES``), where the head-in-shared kernel re-reads more than a third of
-the row: 13-21% faster there. Where it ties (128256 bf16, 250.5 KiB: also the shipped
-record's shape) or loses (a 128 KiB row of which the head re-reads half, from L2) it is
-the tuner's to pick. Why it stays at 1.17-1.30x, short of the 1.07x of one block's row
+12-24% slower. There it tied with head_in_shared on 128256 bf16 (250.5 KiB) and was
+13-21% faster on the longer rows.
+
+Since the cluster barrier lost its two fences (:mod:`tvm_fusion.grid_barrier`; H100,
+2026-12-06T17:42Z, rows "probe: barrier A/B", both built in one process, each checked
+against float64 first), ms:
+
+=========================  ======  ======  ==============
+shape                      fenced  now     now / floor
+=========================  ======  ======  ==============
+8192x128256 bf16           1.6607  1.5660  1.13x (1.3839)
+4096x151936 bf16           0.9828  0.9626  1.17x (0.8197)
+2048x256000 bf16           0.9012  0.8520  1.23x (0.6906)
+1024x128256 fp32           0.4015  0.3739  1.08x (0.3460)
+2048x256000 bf16 in place  0.9059  0.8599  1.25x
+=========================  ======  ======  ==============
+
+So 128256 bf16 no longer ties: 1.5660 against head_in_shared's 1.6518-1.6981 on this card
+(the table above; rows "probe: phases 2" at 17:10Z). Dispatch's pick (``prefers``) is
+rows of more than 240 KiB (``PREFERRED_ROW_BYTES``), in place too; the shipped record of
+8192x128256 bf16 (head_in_shared, tuned on an H200 before this candidate) still comes
+first for that one shape. Where it loses (a 128 KiB row of which the head re-reads half,
+from L2) it is the tuner's to pick. Why it stays above the 1.01-1.06x of one block's row
 on chip: the probes below.
 
 Applies to the fused gradient with rows of more than 112 KB that ``row_parts`` cuts, on
@@ -95,11 +113,18 @@ in the same run):
   keeps in one block at 1.06x (0.1826 ms; 1.01x on 32768x32000, 1.3920 ms), this kernel at
   2 parts takes 0.2095 (1.21x) and at 4 parts 0.2755 (1.60x). With the same work an element,
   the cost grows with the blocks a row: a block's serial steps past its copy (statistics,
-  two block reductions, the pair's store, fences and barrier, the P pairs read back from
-  L2, the coefficients) look like a fixed latency a part, hidden only while other blocks'
-  copies are in flight, with shared memory capping those at three 62.6 KB parts: a
-  hypothesis, not yet timed apart (next: the pairs exchanged through distributed shared
-  memory instead of L2 and fences).
+  two block reductions, the pair's store, the barrier, the P pairs read back from L2, the
+  coefficients) look like a fixed latency a part, hidden only while other blocks' copies
+  are in flight, with shared memory capping those at three 62.6 KB parts: a hypothesis.
+- Two parts of that latency, timed apart (rows "probe: phases 3", 17:23Z, CUDA changed):
+  the fences around the barrier, now gone (the table above), and the pairs' round trip
+  through L2: read from the cluster's shared memory instead (``mapa`` and
+  ``ld.shared::cluster``, a second barrier before exit), without the fences, the kernel
+  took 1.5015 ms on 8192x128256 bf16 (1.08x), 0.9656 on 4096x151936 and 0.8576 on
+  2048x256000, checked against float64; with the fences kept, distributed shared memory
+  gained nothing (1.6438). Against the fence-free global exchange built in (the table
+  above, another process) that is the same on the two longer rows and 4% less on
+  128256: not built into the candidate yet.
 """
 
 from __future__ import annotations
@@ -122,7 +147,7 @@ from ..common import (
 from .common import chunks_at, schedule_grad_batch_stage, schedule_grad_prologue, widest_vector
 from .cross_entropy_row_in_shared import ROW_BYTES_MAX
 
-PREFERRED_ROW_BYTES = 256 * 1024  # dispatch's pick on longer rows (module docstring)
+PREFERRED_ROW_BYTES = 240 * 1024  # dispatch's pick on longer rows (module docstring)
 
 
 @dataclass(frozen=True)
@@ -155,9 +180,8 @@ class CrossEntropyGradRowInCluster(Candidate):
         return "" if has_clusters(target) else f"its thread-block clusters need sm_90 or later, the target is {target}"
 
     def prefers(self, problem: CrossEntropyGradProblem, target: Target) -> bool:
-        # H100, 2026-12-06 (module docstring): 13-21% faster than head_in_shared on rows
-        # of 297-501 KiB and 1024 rows or more, a tie at 250.5 KiB; in place 1-21% faster
-        # on those rows, 5% at 250.5 KiB (whose shipped record dispatch takes first).
+        # H100, 2026-12-06 (module docstring): faster than head_in_shared on rows of
+        # 250.5-501 KiB and 1024 rows or more, out of place and in place.
         return (problem.classes * DTYPE_BYTES[problem.dtype] > PREFERRED_ROW_BYTES
                 and problem.batch >= sm_count(target))
 
