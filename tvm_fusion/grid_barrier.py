@@ -25,13 +25,14 @@ release and acquire already order the exchange. Without them (H100, 2026-12-06T1
 process, each kernel checked against float64 first): cross_entropy_grad_row_in_cluster
 2-7% faster (8192x128256 bf16 1.5660 ms against 1.6607, 1024x128256 fp32 0.3739 against
 0.4015), bn_forward_cluster_half_one_launch 3% (64x256x56x56 fp16 0.0844 against
-0.0868). The kernel with the
-barrier (not the function's other kernels) gets
-a ``clusterCtaIdx.x`` launch dimension of the cluster's size inside its ``blockIdx.x``
-one, which TVM's CUDA runtime turns into ``cuLaunchKernelEx`` with that cluster size
-(the grid stays ``blockIdx.x``'s extent in blocks and must be a multiple of it; a
-block's rank in its cluster is ``blockIdx.x`` modulo the size). No cooperative launch:
-clusters need not all be resident at once.
+0.0868).
+
+The kernel with the barrier (not the function's other kernels) gets a ``clusterCtaIdx.x``
+launch dimension of the cluster's size inside its ``blockIdx.x`` one, which TVM's CUDA
+runtime turns into ``cuLaunchKernelEx`` with that cluster size (the grid stays
+``blockIdx.x``'s extent in blocks and must be a multiple of it; a block's rank in its
+cluster is ``blockIdx.x`` modulo the size). No cooperative launch: clusters need not all
+be resident at once.
 
 The marked loop must be one every thread of every block runs: not under a thread
 guard, nor under a loop whose trip count differs between blocks. Pipelines other than
