@@ -26,7 +26,7 @@ import tvm
 import tvm_fusion as tf
 from helpers import check_cluster_barrier, default_and_sampled, has_gpu, rng, torch_or_none
 from test_bn_grid_persistent import lowered
-from test_ce_grad_window import OPTIONS, check_nan_rows_and_all_ignored, gpu_options, option_id
+from test_ce_grad_window import OPTIONS, check_nan_rows_and_all_ignored, gpu_options, grad_problem, option_id
 from test_cross_entropy_grad import OPTIONS as OPTION_TUPLES
 from test_cross_entropy_grad import (
     case, check_forward, check_grad, check_on_device, check_ptx_vector_loads_shuffles_no_spills, gpu_problem,
@@ -43,10 +43,6 @@ torch = torch_or_none()
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
 NAME = "cross_entropy_grad_row_in_cluster"
 CANDIDATE = registry.get(NAME)
-
-
-def grad_problem(shape, dtype, **options):
-    return tf.make_problem("cross_entropy_grad", shape, dtype, mode="fused", **options)
 
 
 # -- the parts and where the candidate applies ----------------------------------------

@@ -136,7 +136,6 @@ def row_statistics(problem, logits: te.Tensor, weight: te.Tensor | None, algorit
             return (weight[kk] * x(i, kk), weight[kk])
         return (x(i, kk),)
 
-    n_extra = smoothing_sums(problem)
     if algorithm == "aligned_online":
         return aligned_row_statistics(problem, logits, weight, idx)
     if algorithm == "padded_three_pass":
