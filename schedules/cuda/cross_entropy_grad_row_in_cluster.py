@@ -126,11 +126,12 @@ in the same run):
   above, another process) that is the same on the two longer rows and 4% less on
   128256.
 - Built as a lowering pass (rows "probe: exchange A/B", each kernel checked against
-  float64 first), it was not a reliable win, so it is kept off main: at 18:59Z, with a whole cluster barrier closing the kernel, 1.4981 against 1.5668 ms on
-  8192x128256 bf16 and 0.8394 against 0.8597 in place on 2048x256000, but 0.9667 against
-  0.9615 on 4096x151936 and 0.3807 against 0.3740 on 1024x128256 fp32; at 19:32Z, the
-  closing barrier split (arrive after the reads, wait at the end), 1.5657 against 1.5734,
-  and 0.8814 against 0.8573 on 2048x256000.
+  float64 first), it was not a reliable win, so it is kept off main: at 18:59Z, with a
+  whole cluster barrier closing the kernel, 1.4981 against 1.5668 ms on 8192x128256 bf16
+  and 0.8394 against 0.8597 in place on 2048x256000, but 0.9667 against 0.9615 on
+  4096x151936 and 0.3807 against 0.3740 on 1024x128256 fp32; at 19:32Z, the closing
+  barrier split (arrive after the reads, wait at the end), 1.5657 against 1.5734, and
+  0.8814 against 0.8573 on 2048x256000.
 """
 
 from __future__ import annotations
