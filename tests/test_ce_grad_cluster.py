@@ -89,14 +89,16 @@ def test_dispatch_picks_it_for_rows_past_240_kib(shape, dtype, picked):
         assert tf.dispatch.choose(in_place, CUDA).candidate == NAME
 
 
-def test_the_shipped_record_of_8192x128256_comes_before_it():
-    """Rows of 250.5 KiB prefer it, but the shipped record of 8192x128256 bf16 (tuned on
-    an H200 before the candidate existed) is taken first, out of place and in place."""
+def test_the_shipped_record_of_8192x128256_names_it():
+    """Rows of 250.5 KiB prefer it, and the shipped record of 8192x128256 bf16 (the H200
+    tune of 2026-12-06) names it at tuned knobs, out of place and in place (the in-place
+    problem reapplies the out-of-place record)."""
     for in_place in (False, True):
         problem = grad_problem((8192, 128256), "bfloat16", in_place=in_place)
         assert CANDIDATE.prefers(problem, CUDA)
         choice = tf.dispatch.choose(problem, CUDA)
-        assert choice.source.startswith("record") and choice.candidate == "cross_entropy_grad_head_in_shared"
+        assert choice.source.startswith("record") and choice.candidate == NAME
+        assert str(choice.knobs) == "threads=256,vector=8,unroll=4"
 
 
 def test_needs_thread_block_clusters():

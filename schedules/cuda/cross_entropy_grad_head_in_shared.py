@@ -39,8 +39,10 @@ online candidate's best knobs in the same run): 8192x128256 bf16 1.5142 ms again
 4096x50000 fp32 0.6512 against 0.7966. Batch 4 is the best of 1, 2 and 4 (1.7442 and
 1.7469 at 1 and 2), 512 lanes lose (1.8628), unroll 4 and 16 tie (1.5130, 1.5142).
 8192x128256 is then 2.10 GB x 2 / 3001 GB/s = 1.40 ms of floor: 1.08x. So it is the
-default wherever it applies, and since a 16-trial re-tune on the H100 (2026-12-05,
-tuning_logs/README.md) the shipped record of 8192x128256 bf16 names it too.
+default wherever it applies below ``cross_entropy_grad_row_in_cluster``'s rows (more
+than 240 KiB). The shipped record of 8192x128256 bf16 named it from a 16-trial re-tune on
+the H100 (2026-12-05) until an H200 tune (2026-12-06, tuning_logs/README.md) picked
+row_in_cluster there.
 
 Not used: the head copied by the statistics' own chunk loads (TensorIR's ``compute_at``
 needs every consumer of a staged block under the loop, and the map reads the copy after

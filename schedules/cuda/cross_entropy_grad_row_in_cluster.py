@@ -79,10 +79,12 @@ shape                      fenced  now     now / floor
 
 So 128256 bf16 no longer ties: 1.5660 against head_in_shared's 1.6518-1.6981 on this card
 (the table above; rows "probe: phases 2" at 17:10Z). Dispatch's pick (``prefers``) is
-rows of more than 240 KiB (``PREFERRED_ROW_BYTES``), in place too; the shipped record of
-8192x128256 bf16 (head_in_shared, tuned on an H200 before this candidate) still comes
-first for that one shape. Where it loses (a 128 KiB row of which the head re-reads half,
-from L2) it is the tuner's to pick. Why it stays above the 1.01-1.06x of one block's row
+rows of more than 240 KiB (``PREFERRED_ROW_BYTES``), in place too. On an H200
+(2026-12-06T20:22Z, rows "probe: exchange A/B") it took 1.3144 ms on 8192x128256 bf16
+against 1.4375 for head_in_shared, that shape's shipped record then; the record is now
+this candidate at [threads=256, vector=8, unroll=4] (a 16-trial tune there: 1.2872 ms,
+rows "tuner pick" of 20:25Z). Where it loses (a 128 KiB row of which the head re-reads
+half, from L2) it is the tuner's to pick. Why it stays above the 1.01-1.06x of one block's row
 on chip: the probes below.
 
 Applies to the fused gradient with rows of more than 112 KB that ``row_parts`` cuts, on
