@@ -43,6 +43,17 @@ Not TVM's table-driven PTX op of the same instruction (``tvm.backend.cuda.ptx``)
 prints an ``asm volatile`` with a memory clobber, a barrier nvcc may not move the
 unrolled loop's next loads across. ``TVM_FUSION_EVICT_FIRST=0`` builds plain stores
 (an A/B switch, in the kernel cache's key).
+
+Not done: BatchNorm's maps, which re-read their input after the statistics (walking
+back over it, :mod:`tvm_fusion.launch_order`), storing ``y`` and ``dx`` evict-first in
+the same way, so that the map's writes would leave the L2 before the input it has still
+to read. Timed on an H100 with dispatch's kernels, the hint switched in one process
+(rows "probe: evict-first maps A/B", 2026-12-07T07:23Z, each checked against float64
+first), ms, plain -> evict-first: 64x256x56x56 bf16 channels-last forward 0.1078 ->
+0.1076, forward + backward 0.2880 -> 0.2853; 64x256x56x56 fp16 forward + backward (the
+backward's map) 0.2489 -> 0.2476; 64x64x112x112 fp16 channels-last forward 0.1186 ->
+0.1209, forward + backward 0.3060 -> 0.3104. Within 1% or slower: the L2's part in those
+maps is not lost to their own writes.
 """
 
 from __future__ import annotations
