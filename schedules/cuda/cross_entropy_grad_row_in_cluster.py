@@ -88,7 +88,11 @@ half, from L2) it is the tuner's to pick. Why it stays above the 1.01-1.06x of o
 on chip: the probes below.
 
 Applies to the fused gradient with rows of more than 112 KB that ``row_parts`` cuts, on
-sm_90 and later (thread-block clusters). In place (``inplace_backward``, the gradient over
+sm_90 and later (thread-block clusters), and to shorter rows in batches of fewer than 256
+rows, which ``row_parts`` cuts into the fewest parts that make 512 blocks (128x32000 fp16:
+4 parts of 16 KB). A block or a warp a row leaves most of the GPU idle there (128 rows on
+132 SMs, each block walking 64 KB): the parts spread the batch over about four blocks an
+SM. Untimed: only the tuner picks it on such rows. In place (``inplace_backward``, the gradient over
 the logits) as well: a block reads the logits only before the cluster barrier (its part,
 and the row loss's target logit, read first into registers), and every store of the
 gradient comes after it, so no block reads what another has written. In place on an H100
@@ -143,7 +147,7 @@ from dataclasses import dataclass
 from tvm.target import Target
 
 from tvm_fusion import grid_barrier
-from tvm_fusion.compute.cross_entropy_grad import PARTS, PARTS_ALGORITHM, row_parts
+from tvm_fusion.compute.cross_entropy_grad import PARTS, PARTS_ALGORITHM, SPREAD_BLOCKS, row_parts
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
@@ -176,8 +180,9 @@ class CrossEntropyGradRowInCluster(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
+        few = problem.batch < SPREAD_BLOCKS // 2  # rows cut to spread a small batch (row_parts)
         if not (problem.op == self.op and problem.mode == "fused"
-                and problem.classes * DTYPE_BYTES[problem.dtype] > ROW_BYTES_MAX):
+                and (problem.classes * DTYPE_BYTES[problem.dtype] > ROW_BYTES_MAX or few)):
             return False
         try:
             row_parts(problem)

@@ -496,17 +496,26 @@ def head_sources(problem, logits: te.Tensor, idx: str) -> tuple[te.Tensor, te.Te
 PART_BYTES = 75 * 1024
 PART_BYTES_MAX = 200 * 1024
 MAX_PARTS = 8  # a portable thread-block cluster's blocks
+# Rows that fit one block (at most SHORT_ROW_BYTES: two blocks an SM of sm_90's 227 KB)
+# are cut only where there are few of them, to spread a batch of fewer rows than SMs
+# over the GPU: the fewest parts that give SPREAD_BLOCKS blocks, about four an SM of an
+# H100's or H200's 132.
+SHORT_ROW_BYTES = 112 * 1024  # schedules' cross_entropy_row_in_shared.ROW_BYTES_MAX (not imported here)
+SPREAD_BLOCKS = 512
 
 
 def row_parts(problem) -> int:
     """``fused_parts``' P: the fewest parts, 2 to ``MAX_PARTS``, that cut a row into equal
     whole 16-byte chunks of at most ``PART_BYTES``, else the most (the smallest parts, the
-    most blocks an SM) of at most ``PART_BYTES_MAX``; a
-    ValueError where none does (V not a multiple of two chunks' values, or a row past
-    ``MAX_PARTS`` x ``PART_BYTES_MAX``)."""
+    most blocks an SM) of at most ``PART_BYTES_MAX``. A row of at most
+    ``SHORT_ROW_BYTES`` takes the fewest that make ``SPREAD_BLOCKS`` blocks of the batch,
+    else the most. A ValueError where none does (V not a multiple of two chunks' values,
+    or a row past ``MAX_PARTS`` x ``PART_BYTES_MAX``)."""
     c = granule(problem.dtype)
     row = problem.classes * DTYPE_BYTES[problem.dtype]
     fitting = [p for p in range(2, MAX_PARTS + 1) if problem.classes % (p * c) == 0]
+    if fitting and row <= SHORT_ROW_BYTES:
+        return next((p for p in fitting if problem.batch * p >= SPREAD_BLOCKS), fitting[-1])
     small = [p for p in fitting if row // p <= PART_BYTES]
     if small:
         return small[0]
