@@ -146,9 +146,10 @@ def test_cuda_source_has_a_part_a_block_and_one_cluster_barrier(shape, dtype, op
     parts = row_parts(problem)
     source = build_kernel(problem, CUDA, NAME).device_source()
     row = row_kernel(source)
-    # The part copied into shared memory with 16-byte loads; the last step's lanes bounded by the part.
-    # (into a uint4 array of shared memory, or through a cast)
-    assert re.search(r"logits_parts_shared_dyn_ptr[ \[][^;]*= \*\((?:uint4|float4)\*\)\(logits_ptr \+", row)
+    # The part copied into shared memory 16 bytes a lane, as cp.async (tvm_fusion.async_copy)
+    # waited for before the barrier; the last step's lanes bounded by the part.
+    assert re.search(r"ptx_cp_async_legacy_cg_16_\d+_\d+\(logits_parts_shared_dyn_ptr, [^;]*logits_ptr, ", row)
+    assert "wait_all();" in row
     # One barrier (its asm clobbering memory, no fence beside it), under no condition, between the parts' pairs
     # stored and loaded back.
     assert row.count(grid_barrier.CLUSTER_SYNC_CALL) == 1 and "grid_sync" not in row

@@ -43,7 +43,7 @@ from typing import Any
 import tvm
 from tvm import tirx
 
-from . import async_rounds, granule_stores, grid_barrier, store_hints
+from . import async_copy, async_rounds, granule_stores, grid_barrier, store_hints
 from .compute import PARTITION_LIKELY_ATTR
 from .stmts import map_children
 
@@ -203,13 +203,15 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
     if any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and f.attrs.get(PARTITION_LIKELY_ATTR)
            for f in mod.functions.values()):
         config["s_tir.LoopPartition"] = {"partition_const_loop": True}
+    if async_copy.wanted(mod):
+        config = async_copy.lowering_config(config)
     pipelined = async_rounds.wanted(mod)
     if pipelined:
         config, disabled = async_rounds.lowering_config(config, disabled)
     mod = granule_stores.module_stores_in_place(mod)  # a tuner's build: no compiled_form before
     with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
                                    disabled_pass=disabled, config=config, instruments=list(ctx.instruments)):
-        mod = pipeline(mod)
+        mod = async_copy.inject(pipeline(mod))
         if pipelined:
             mod = async_rounds.lower_allreduce(mod)
     return store_hints.evict_first_stores(marked_loops(mod))

@@ -12,7 +12,8 @@ Kernel 1, one block: the targets pass. Kernel 2, grid (B P,), clusters of P (a r
 parts are consecutive blocks, one cluster), ``threads`` lanes a block:
 1. One loop over the parts (the view's rows) for every per-part and per-row block,
    bound to ``blockIdx.x``.
-2. The part is copied into dynamic shared memory with 16-byte loads (``logits_parts``).
+2. The part is copied into dynamic shared memory 16 bytes a lane (``logits_parts``), as
+   ``cp.async`` (:mod:`tvm_fusion.async_copy`).
 3. ``part_online``: the part's online (sum of exp, max) over its 16-byte chunks, each
    staged from the copy into registers, the lanes combined through shuffles; thread 0
    stores the pair (global memory).
@@ -146,7 +147,7 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
-from tvm_fusion import grid_barrier
+from tvm_fusion import async_copy, grid_barrier
 from tvm_fusion.compute.cross_entropy_grad import PARTS, PARTS_ALGORITHM, SPREAD_BLOCKS, row_parts
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
@@ -249,10 +250,11 @@ class CrossEntropyGradRowInCluster(Candidate):
         serial, at, _ = lane_steps(sch, sch.get_loops(sch.get_sblock("part_online"))[1], threads)
         unroll(sch, serial, step)
         chunks_at(sch, at, staged=shared)
-        # The part's copy, 16-byte loads.
+        # The part's copy, 16 bytes a lane, cp.async.
         sch.compute_at(copy, task, preserve_unit_loops=True)
-        _, _, vec = lanes_split(sch, copy, 1, threads, vector, step)
+        _, copies, vec = lanes_split(sch, copy, 1, threads, vector, step)
         sch.vectorize(vec)
+        async_copy.mark(sch, copies, vector * DTYPE_BYTES[problem.dtype])
         # The gradient of the part from the copy, 16-byte stores.
         _, serial, vec = lanes_split(sch, mapped, 1, threads, vector, step)
         sch.unroll(vec)

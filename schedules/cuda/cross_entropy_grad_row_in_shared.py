@@ -10,7 +10,8 @@ later sweeps from L2 at best). For rows that fit beside a second block on an SM
 
 Kernel 1, one block: the targets pass. Kernel 2, grid (B,):
 1. Every per-row block shares one row loop (``merge_rows``) bound to ``blockIdx.x``.
-2. The row is copied in with 16-byte global loads, ``[threadIdx.x, serial, vector]``.
+2. The row is copied in 16 bytes a lane, ``[threadIdx.x, serial, vector]``, as ``cp.async``
+   (:mod:`tvm_fusion.async_copy`: every copy of a thread in flight at once).
 3. ``row_max`` then ``row_sumexp`` over shared memory, 16-byte chunks into registers,
    shuffles plus one shared hop; both statistics stay in every thread's registers.
 4. ``dlogits`` over shared memory, the gradient in float32, 16-byte global stores.
@@ -32,7 +33,9 @@ from __future__ import annotations
 
 from tvm.target import Target
 
+from tvm_fusion import async_copy
 from tvm_fusion.contracts import CrossEntropyGradProblem
+from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, register
 from tvm_fusion.targets import sm_count
 
@@ -95,8 +98,9 @@ class CrossEntropyGradRowInShared(Candidate):
         row = merge_grad_rows(sch, problem)
         sch.bind(row, "blockIdx.x")
         sch.compute_at(copy, row, preserve_unit_loops=True)
-        _, _, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
+        _, serial, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
         sch.vectorize(vec)
+        async_copy.mark(sch, serial, knobs.vector * DTYPE_BYTES[problem.dtype])
         # 3. Both statistics over shared memory, kept in registers.
         for block in (row_max, row_sum):
             thread_reduce(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll, shared)

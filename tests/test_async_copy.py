@@ -1,0 +1,124 @@
+"""tvm_fusion.async_copy: the copies of a row (or a part) into shared memory issued as
+``cp.async``.
+
+CPU: the generated CUDA of each marked candidate (the gradient's and the forward's
+row_in_shared, the gradient's row_in_cluster, the BatchNorm forward and backward on-chip
+parts) copies with ``cp.async.cg`` 16 bytes a lane, holds no synchronous global-to-shared
+copy, and waits (``cp.async.wait_all``) before the first barrier after the copies; the
+backward's two copies share one wait; nvcc compiles it to PTX with the asynchronous copies
+and no spills; the pipelined candidates (their copies asynchronous by TVM's software
+pipeline) are unchanged; scalar copies (2 bytes a lane) stay synchronous; the A/B switch
+builds the synchronous copies. The kernels' results on the GPU are the candidates' own gpu
+tests (test_cross_entropy_grad, test_ce_grad_cluster, test_bn_cluster,
+test_bn_grid_persistent), which build with the copies asynchronous.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+
+import tvm_fusion as tf
+from tvm_fusion import async_copy, targets
+from tvm_fusion.codegen import nvcc_path
+from tvm_fusion.kernel import build_kernel
+
+CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
+# A synchronous 16-byte copy from a global buffer into shared memory, as TVM prints it.
+SYNC_COPY = re.compile(r"\w+_shared_dyn_ptr[\[ +].*= \*\((?:uint4|float4|uint2|float2)\*\)\(\w+_ptr \+")
+CALL = "ptx_cp_async_legacy_cg_"
+WAIT = "tvm_builtin_ptx_cp_async_wait_all_async_wait_all();"
+
+
+def ce_grad(shape, dtype, **options):
+    return tf.make_problem("cross_entropy_grad", shape, dtype, mode="fused", **options)
+
+
+CASES = [
+    (ce_grad((4096, 32000), "float16"), "cross_entropy_grad_row_in_shared"),
+    (ce_grad((512, 50304), "bfloat16", weight=True, label_smoothing=0.1), "cross_entropy_grad_row_in_shared"),
+    (tf.make_problem("cross_entropy", (4096, 32000), "float16"), "cross_entropy_row_in_shared"),
+    (ce_grad((1024, 128256), "bfloat16"), "cross_entropy_grad_row_in_cluster"),
+    (ce_grad((256, 151936), "float32", in_place=True), "cross_entropy_grad_row_in_cluster"),
+    (tf.make_problem("bn_forward", (64, 256, 56, 56), "float16", training=True), "bn_forward_cluster_half_one_launch"),
+    (tf.make_problem("bn_forward", (32, 64, 112, 112), "bfloat16", training=True), "bn_forward_grid_persistent"),
+    (tf.make_problem("bn_backward", (64, 256, 56, 56), "float16"), "bn_backward_cluster"),
+]
+
+
+def kernel_body(source: str) -> str:
+    """The body of the kernel (a definition, not a declaration) that copies asynchronously."""
+    bodies = re.split(r'\nextern "C" __global__ ', source)[1:]
+    found = [b for b in bodies if CALL in b.split("{", 1)[-1]]
+    assert len(found) == 1, f"{len(found)} kernels call {CALL}"
+    return found[0]
+
+
+@pytest.mark.parametrize("problem, candidate", CASES, ids=lambda v: v if isinstance(v, str) else v.key())
+def test_the_marked_copies_are_asynchronous_and_waited_for_before_the_barrier(problem, candidate):
+    source = build_kernel(problem, CUDA, candidate).device_source()
+    body = kernel_body(source)
+    assert not SYNC_COPY.search(body), "a synchronous global-to-shared copy is left"
+    lines = [line.strip() for line in body.splitlines()]
+    copies = [i for i, line in enumerate(lines) if line.startswith(CALL)]
+    waits = [i for i, line in enumerate(lines) if line == WAIT]
+    barriers = [i for i, line in enumerate(lines) if line.startswith(("__syncthreads();", "tvm_fusion_cluster_sync"))
+                or "barrier.cluster" in line]
+    assert copies and waits
+    # each copy waited for before the first barrier after it
+    for copy in copies:
+        wait = next(w for w in waits if w > copy)
+        assert not any(copy < b < wait for b in barriers), lines[copy]
+    if candidate.startswith("bn_backward"):  # x's and dy's copies, one wait after both
+        assert len(waits) == 1 and waits[0] > max(copies)
+
+
+def test_nvcc_compiles_the_asynchronous_copies_without_spills():
+    nvcc = nvcc_path()
+    if nvcc is None:
+        pytest.skip("needs nvcc")
+    problem, candidate = CASES[3]
+    source = build_kernel(problem, CUDA, candidate).device_source()
+    import tempfile, os
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cu")
+        open(path, "w").write(source)
+        out = subprocess.run([nvcc, "-arch=sm_90", "-cubin", "-o", os.path.join(tmp, "k.cubin"), path, "-Xptxas", "-v"],
+                             capture_output=True, text=True, check=True)
+        ptx = subprocess.run([nvcc, "-arch=sm_90", "-ptx", "-o", "-", path], capture_output=True, text=True,
+                             check=True).stdout
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_all" in ptx
+    assert " 0 bytes spill stores" in out.stderr and "bytes spill stores" in out.stderr
+
+
+def test_pipelined_candidates_and_scalar_copies_are_left_as_they_were():
+    pipelined = tf.make_problem("bn_forward", (64, 256, 56, 56), "float16", training=True)
+    source = build_kernel(pipelined, CUDA, "bn_forward_grid_pipelined").device_source()
+    assert WAIT not in source  # TVM's pipeline waits with its own wait_group
+    scalar = ce_grad((512, 50257), "bfloat16")  # V odd: 2 bytes a lane
+    source = build_kernel(scalar, CUDA, "cross_entropy_grad_row_in_shared").device_source()
+    assert CALL not in source and WAIT not in source
+
+
+def test_the_switch_builds_the_synchronous_copies(monkeypatch):
+    problem, candidate = CASES[0]
+    monkeypatch.setattr(async_copy, "ENABLED", False)
+    source = build_kernel(problem, CUDA, candidate).device_source()
+    assert CALL not in source and WAIT not in source and SYNC_COPY.search(source)
+    monkeypatch.setattr(async_copy, "ENABLED", True)
+    assert CALL in build_kernel(problem, CUDA, candidate).device_source()
+
+
+def test_a_mark_on_a_thread_loop_is_refused():
+    import tvm
+    from tvm import s_tir, te
+
+    a = te.placeholder((256,), "float32", name="a")
+    b = te.compute((256,), lambda i: a[i], name="b")
+    sch = s_tir.Schedule(tvm.IRModule({"main": te.create_prim_func([a, b])}))
+    (loop,) = sch.get_loops(sch.get_sblock("b"))
+    sch.bind(loop, "threadIdx.x")
+    with pytest.raises(ValueError, match="marks a serial copy loop"):
+        async_copy.mark(sch, loop, 16)

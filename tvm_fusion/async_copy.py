@@ -1,0 +1,147 @@
+"""A block's copy of its row (or part) from global into shared memory issued as
+``cp.async`` (16 bytes a lane, global to shared with no register in between), every
+copy of a thread in flight at once, then one ``cp.async.wait_all`` before the block's
+barrier.
+
+Why: as TVM prints it, such a copy is a 16-byte global load into registers and a
+16-byte shared store, one pair a step of the copy loop. In the PTX of the gradient's
+row_in_cluster (8192x128256 bf16, nvcc 13) each pair sits under its own bounds check,
+so a thread has one load in flight; row_in_shared's 4096x32000 fp16 copy has its eight
+pairs interleaved and 22 registers, too few to hold them all. A block then has about
+``threads`` x 16 bytes in flight, against the tens of kilobytes an SM needs in flight to
+draw its share of the H200's bandwidth. With ``cp.async`` the loads go straight to shared
+memory: nothing waits for a register, and the bounds checks only predicate issue.
+
+A schedule marks the copy's serial loop with :func:`mark` (an annotation: a traced
+primitive, so MetaSchedule's records replay it). It lowers to a pragma around the loop;
+:func:`inject` (in ``launch_order.lowered``, after TVM's pipeline) turns that into
+TVM's ``async_scope`` followed by ``cp.async.wait_all``, and TVM's
+``InjectPTXAsyncCopy`` then rewrites the 16-byte copies inside. A mark whose loop has
+no copy TVM can rewrite (not 4, 8 or 16 bytes a lane, or not global to shared) is an
+error, never a silent synchronous copy.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import tvm
+from tvm import s_tir, tirx
+
+from .stmts import map_children
+
+KEY = "pragma_tvm_fusion_async_copy"
+SCOPE = "async_scope"
+# TVM_FUSION_ASYNC_COPY=0 builds marked copies synchronously, as before (an A/B switch,
+# in the kernel cache's key).
+ENABLED = os.environ.get("TVM_FUSION_ASYNC_COPY", "1") != "0"
+
+
+COPY_BYTES = (4, 8, 16)  # what one cp.async copies
+
+
+def mark(sch: Any, loop: Any, lane_bytes: int) -> None:
+    """Mark the serial loop ``loop`` (its body a copy from global into shared memory of
+    ``lane_bytes`` a lane) to issue its copies asynchronously, waited for before the next
+    barrier; a copy of other widths than cp.async's 4, 8 or 16 bytes stays as it is."""
+    if lane_bytes not in COPY_BYTES:
+        return
+    node = sch.get(loop)
+    if node.kind not in (tirx.ForKind.SERIAL, tirx.ForKind.UNROLLED) or node.thread_binding is not None:
+        raise ValueError(f"async_copy.mark: marks a serial copy loop, not {node.loop_var.name} "
+                         f"({tirx.ForKind(node.kind).name.lower()})")
+    sch.annotate(loop, KEY, 1)
+
+
+def wanted(mod: tvm.IRModule) -> bool:
+    """Whether a function of ``mod`` (scheduled, not lowered) marks a copy loop."""
+    return ENABLED and any(isinstance(f, tirx.PrimFunc) and KEY in f.script() for f in mod.functions.values())
+
+
+def lowering_config(config: dict) -> dict:
+    """The pass context's config for such a module: TVM's storage rewrite off. It
+    retypes a shared buffer read whole in 16-byte vectors as ``float16x8``, and
+    ``InjectPTXAsyncCopy`` then refuses the copy (its load and store differ in lanes)."""
+    return {**config, "tirx.disable_storage_rewrite": True}
+
+
+def _wait_all() -> tirx.Stmt:
+    # TVM 0.27's PTX table builds the call (its arguments are the instruction's tokens).
+    from tvm.backend.cuda.ptx import PTXNamespace
+    return tirx.Evaluate(PTXNamespace().cp.async_.wait_all())
+
+
+def _scope(marked: tirx.AttrStmt, found: list) -> tirx.Stmt:
+    found.append(marked)
+    body = _walk(marked.body, found)
+    return tirx.AttrStmt(marked.node, SCOPE, 1, body) if ENABLED else body
+
+
+def _walk(stmt: tirx.Stmt, found: list) -> tirx.Stmt:
+    """``stmt`` with its marked copies made asynchronous. Marked copies that follow one
+    another (a block's copies of x and dy) share one wait, after the last of them."""
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == KEY:
+        return tirx.SeqStmt([_scope(stmt, found), _wait_all()]) if ENABLED else _scope(stmt, found)
+    if isinstance(stmt, tirx.SeqStmt) and ENABLED:
+        out, pending = [], False
+        for child in stmt.seq:
+            if isinstance(child, tirx.AttrStmt) and child.attr_key == KEY:
+                out.append(_scope(child, found))
+                pending = True
+                continue
+            if pending:
+                out.append(_wait_all())
+                pending = False
+            out.append(_walk(child, found))
+        if pending:
+            out.append(_wait_all())
+        return tirx.SeqStmt(out)
+    return map_children(stmt, lambda child: _walk(child, found))
+
+
+def _sync_copies(stmt: tirx.Stmt) -> int:
+    """How many stores into shared memory of a global load are left under ``stmt``."""
+    if isinstance(stmt, tirx.BufferStore):
+        value = stmt.value
+        return int(stmt.buffer.scope().startswith("shared") and isinstance(value, tirx.BufferLoad)
+                   and value.buffer.scope() == "global")
+    count = [0]
+
+    def visit(child):
+        count[0] += _sync_copies(child)
+        return child
+    map_children(stmt, visit)
+    return count[0]
+
+
+def _check(stmt: tirx.Stmt, name: str) -> None:
+    """Raise where a marked region still holds a synchronous copy."""
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == SCOPE:
+        if _sync_copies(stmt.body):
+            raise ValueError(f"async_copy: a marked copy in {name} stayed synchronous (each lane must copy "
+                             "4, 8 or 16 bytes from global into shared memory)")
+        return
+
+    def visit(child):
+        _check(child, name)
+        return child
+    map_children(stmt, visit)
+
+
+def inject(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` (after TVM's pipeline, barriers placed) with each marked copy loop's copies
+    made ``cp.async`` and a ``cp.async.wait_all`` after the loop; unchanged without marks."""
+    changed = False
+    for gvar, func in list(mod.functions.items()):
+        if isinstance(func, tirx.PrimFunc) and KEY in func.script():
+            found: list = []
+            mod[gvar] = func.with_body(_walk(func.body, found))
+            changed = changed or bool(found)
+    if not changed or not ENABLED:
+        return mod
+    mod = s_tir.transform.InjectPTXAsyncCopy()(mod)
+    for gvar, func in mod.functions.items():
+        if isinstance(func, tirx.PrimFunc):
+            _check(func.body, gvar.name_hint)
+    return mod
