@@ -121,4 +121,4 @@ def test_a_mark_on_a_thread_loop_is_refused():
     (loop,) = sch.get_loops(sch.get_sblock("b"))
     sch.bind(loop, "threadIdx.x")
     with pytest.raises(ValueError, match="marks a serial copy loop"):
-        async_copy.mark(sch, loop, 16)
+        async_copy.mark(sch, loop)

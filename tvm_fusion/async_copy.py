@@ -13,12 +13,15 @@ draw its share of the H200's bandwidth. With ``cp.async`` the loads go straight 
 memory: nothing waits for a register, and the bounds checks only predicate issue.
 
 A schedule marks the copy's serial loop with :func:`mark` (an annotation: a traced
-primitive, so MetaSchedule's records replay it). It lowers to a pragma around the loop;
-:func:`inject` (in ``launch_order.lowered``, after TVM's pipeline) turns that into
-TVM's ``async_scope`` followed by ``cp.async.wait_all``, and TVM's
-``InjectPTXAsyncCopy`` then rewrites the 16-byte copies inside. A mark whose loop has
-no copy TVM can rewrite (not 4, 8 or 16 bytes a lane, or not global to shared) is an
-error, never a silent synchronous copy.
+primitive, so MetaSchedule's records replay it; made whatever the knobs, so that a
+design space's trace, replayed with other knobs, stays the schedule those knobs build).
+It lowers to a pragma around the loop; :func:`inject` (in ``launch_order.lowered``,
+after TVM's pipeline) turns that into TVM's ``async_scope``, with one
+``cp.async.wait_all`` after the marked loops that follow one another (a block's copies
+of x and dy), and TVM's ``InjectPTXAsyncCopy`` then rewrites the copies inside. A copy
+of other widths than cp.async's 4, 8 or 16 bytes a lane (2-byte scalars of a row off the
+16-byte grid) stays synchronous, its mark dropped; a marked loop with no global-to-shared
+copy, or one left synchronous after the rewrite, is an error.
 """
 
 from __future__ import annotations
@@ -28,25 +31,21 @@ from typing import Any
 
 import tvm
 from tvm import s_tir, tirx
+from tvm.ir.expr import TensorLoad
 
 from .stmts import map_children
 
 KEY = "pragma_tvm_fusion_async_copy"
 SCOPE = "async_scope"
+COPY_BYTES = (4, 8, 16)  # what one cp.async copies
 # TVM_FUSION_ASYNC_COPY=0 builds marked copies synchronously, as before (an A/B switch,
 # in the kernel cache's key).
 ENABLED = os.environ.get("TVM_FUSION_ASYNC_COPY", "1") != "0"
 
 
-COPY_BYTES = (4, 8, 16)  # what one cp.async copies
-
-
-def mark(sch: Any, loop: Any, lane_bytes: int) -> None:
-    """Mark the serial loop ``loop`` (its body a copy from global into shared memory of
-    ``lane_bytes`` a lane) to issue its copies asynchronously, waited for before the next
-    barrier; a copy of other widths than cp.async's 4, 8 or 16 bytes stays as it is."""
-    if lane_bytes not in COPY_BYTES:
-        return
+def mark(sch: Any, loop: Any) -> None:
+    """Mark the serial loop ``loop`` (its body a copy from global into shared memory)
+    to issue its copies asynchronously, waited for before the next barrier."""
     node = sch.get(loop)
     if node.kind not in (tirx.ForKind.SERIAL, tirx.ForKind.UNROLLED) or node.thread_binding is not None:
         raise ValueError(f"async_copy.mark: marks a serial copy loop, not {node.loop_var.name} "
@@ -66,29 +65,56 @@ def lowering_config(config: dict) -> dict:
     return {**config, "tirx.disable_storage_rewrite": True}
 
 
+def _copies(stmt: tirx.Stmt) -> list[int]:
+    """The bytes a lane of each store into shared memory of a global load under ``stmt``."""
+    if isinstance(stmt, tirx.BufferStore):
+        value = stmt.value
+        if stmt.buffer.scope().startswith("shared") and isinstance(value, TensorLoad) \
+                and value.source.scope() == "global":
+            dtype = tvm.DataType(str(value.ty))
+            return [dtype.bits * dtype.lanes // 8]
+        return []
+    found: list[int] = []
+
+    def visit(child):
+        found.extend(_copies(child))
+        return child
+    map_children(stmt, visit)
+    return found
+
+
 def _wait_all() -> tirx.Stmt:
     # TVM 0.27's PTX table builds the call (its arguments are the instruction's tokens).
     from tvm.backend.cuda.ptx import PTXNamespace
     return tirx.Evaluate(PTXNamespace().cp.async_.wait_all())
 
 
-def _scope(marked: tirx.AttrStmt, found: list) -> tirx.Stmt:
+def _scope(marked: tirx.AttrStmt, found: list) -> tuple[tirx.Stmt, bool]:
+    """The marked loop in TVM's async scope, or left synchronous where its copies are
+    not cp.async's widths (or the switch is off); and whether it went asynchronous."""
     found.append(marked)
     body = _walk(marked.body, found)
-    return tirx.AttrStmt(marked.node, SCOPE, 1, body) if ENABLED else body
+    widths = _copies(body)
+    if not widths:
+        raise ValueError("async_copy: a marked loop copies nothing from global into shared memory")
+    if not ENABLED or any(w not in COPY_BYTES for w in widths):
+        return body, False
+    return tirx.AttrStmt(marked.node, SCOPE, 1, body), True
 
 
 def _walk(stmt: tirx.Stmt, found: list) -> tirx.Stmt:
     """``stmt`` with its marked copies made asynchronous. Marked copies that follow one
-    another (a block's copies of x and dy) share one wait, after the last of them."""
+    another share one wait, after the last of them."""
     if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == KEY:
-        return tirx.SeqStmt([_scope(stmt, found), _wait_all()]) if ENABLED else _scope(stmt, found)
-    if isinstance(stmt, tirx.SeqStmt) and ENABLED:
+        scoped, pending = _scope(stmt, found)
+        return tirx.SeqStmt([scoped, _wait_all()]) if pending else scoped
+    if isinstance(stmt, tirx.SeqStmt):
         out, pending = [], False
         for child in stmt.seq:
             if isinstance(child, tirx.AttrStmt) and child.attr_key == KEY:
-                out.append(_scope(child, found))
-                pending = True
+                scoped, asynchronous = _scope(child, found)
+                out.append(scoped)
+                pending = pending or asynchronous
                 continue
             if pending:
                 out.append(_wait_all())
@@ -100,27 +126,11 @@ def _walk(stmt: tirx.Stmt, found: list) -> tirx.Stmt:
     return map_children(stmt, lambda child: _walk(child, found))
 
 
-def _sync_copies(stmt: tirx.Stmt) -> int:
-    """How many stores into shared memory of a global load are left under ``stmt``."""
-    if isinstance(stmt, tirx.BufferStore):
-        value = stmt.value
-        return int(stmt.buffer.scope().startswith("shared") and isinstance(value, tirx.BufferLoad)
-                   and value.buffer.scope() == "global")
-    count = [0]
-
-    def visit(child):
-        count[0] += _sync_copies(child)
-        return child
-    map_children(stmt, visit)
-    return count[0]
-
-
 def _check(stmt: tirx.Stmt, name: str) -> None:
-    """Raise where a marked region still holds a synchronous copy."""
+    """Raise where an async scope still holds a synchronous copy."""
     if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == SCOPE:
-        if _sync_copies(stmt.body):
-            raise ValueError(f"async_copy: a marked copy in {name} stayed synchronous (each lane must copy "
-                             "4, 8 or 16 bytes from global into shared memory)")
+        if _copies(stmt.body):
+            raise ValueError(f"async_copy: a marked copy in {name} stayed synchronous")
         return
 
     def visit(child):
@@ -131,7 +141,7 @@ def _check(stmt: tirx.Stmt, name: str) -> None:
 
 def inject(mod: tvm.IRModule) -> tvm.IRModule:
     """``mod`` (after TVM's pipeline, barriers placed) with each marked copy loop's copies
-    made ``cp.async`` and a ``cp.async.wait_all`` after the loop; unchanged without marks."""
+    made ``cp.async`` and waited for (module docstring); unchanged without marks."""
     changed = False
     for gvar, func in list(mod.functions.items()):
         if isinstance(func, tirx.PrimFunc) and KEY in func.script():

@@ -154,16 +154,15 @@ def after_barrier(sch, round_loop, names, combine: str, depth: int = 2, cluster:
         grid_barrier.before(sch, loop)
 
 
-def copy_in(sch, copy, round_loop, knobs, depth: int = 2, lane_bytes: int | None = None) -> None:
+def copy_in(sch, copy, round_loop, knobs, depth: int = 2, asynchronous: bool = False) -> None:
     """A part's copy at the round, lanes on consecutive 16-byte chunks; ``depth``: the
     loops above a task's (the block's and the round's; the block's alone without
-    rounds). With ``lane_bytes`` (the bytes of a lane's vector) the copy is issued as
-    ``cp.async`` (:mod:`tvm_fusion.async_copy`)."""
+    rounds). ``asynchronous``: the copy issued as ``cp.async`` (:mod:`tvm_fusion.async_copy`)."""
     sch.compute_at(copy, round_loop, preserve_unit_loops=True)
     _, serial, vec = lanes_split(sch, copy, depth, knobs.threads, knobs.vector, 1)
     sch.vectorize(vec)
-    if lane_bytes is not None:
-        async_copy.mark(sch, serial, lane_bytes)
+    if asynchronous:
+        async_copy.mark(sch, serial)
 
 
 def reduce_from(sch, partial, on_chip, knobs, depth: int = 2) -> None:
@@ -254,10 +253,8 @@ class GridPersistentCandidate(Candidate):
         """Loops above a task's: the block's and, with rounds, the round's."""
         return 1 if self.grid(knobs) is None else 2
 
-    def copy_lane_bytes(self, problem, knobs) -> int | None:
-        """The bytes a lane copies a step, for the parts' copies issued as ``cp.async``
-        (:mod:`tvm_fusion.async_copy`); None where the copies stay synchronous."""
-        return knobs.vector * DTYPE_BYTES[problem.dtype]
+    # The parts' copies issued as cp.async (tvm_fusion.async_copy).
+    asynchronous_copies = True
 
     def prefers(self, problem, target: Target) -> bool:
         return fills_the_sms(problem, target, self.copies)
@@ -382,8 +379,7 @@ class PipelinedRounds:
     def prefers(self, problem, target: Target) -> bool:
         return False
 
-    def copy_lane_bytes(self, problem, knobs) -> None:
-        return None  # the software pipeline makes the copies asynchronous itself
+    asynchronous_copies = False  # the software pipeline makes the copies asynchronous itself
 
     def schedule(self, sch, problem, knobs) -> None:
         super().schedule(sch, problem, knobs)
@@ -414,7 +410,7 @@ class BNForwardGridPersistent(GridPersistentCandidate):
         depth = self.depth(knobs)
         after_barrier(sch, round_loop, ("bn_scale", "bn_shift", "var_map", "mean_map", "moments_map"), "moments_map",
                       depth, self.cluster(problem))
-        copy_in(sch, copy, round_loop, knobs, depth, self.copy_lane_bytes(problem, knobs))
+        copy_in(sch, copy, round_loop, knobs, depth, self.asynchronous_copies)
         # 2. The partial sums across the lanes, 16 bytes of the copy at a time; K[c]
         # loaded once a round into a register (inlined, nvcc reloaded it for every value).
         shift = sch.cache_read(partial, read_index(sch, partial, "x"), "local", consumer_blocks=[partial])

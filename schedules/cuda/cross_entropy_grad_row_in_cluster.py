@@ -254,7 +254,7 @@ class CrossEntropyGradRowInCluster(Candidate):
         sch.compute_at(copy, task, preserve_unit_loops=True)
         _, copies, vec = lanes_split(sch, copy, 1, threads, vector, step)
         sch.vectorize(vec)
-        async_copy.mark(sch, copies, vector * DTYPE_BYTES[problem.dtype])
+        async_copy.mark(sch, copies)
         # The gradient of the part from the copy, 16-byte stores.
         _, serial, vec = lanes_split(sch, mapped, 1, threads, vector, step)
         sch.unroll(vec)

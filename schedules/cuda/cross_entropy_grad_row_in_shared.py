@@ -35,7 +35,6 @@ from tvm.target import Target
 
 from tvm_fusion import async_copy
 from tvm_fusion.contracts import CrossEntropyGradProblem
-from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, register
 from tvm_fusion.targets import sm_count
 
@@ -100,7 +99,7 @@ class CrossEntropyGradRowInShared(Candidate):
         sch.compute_at(copy, row, preserve_unit_loops=True)
         _, serial, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
         sch.vectorize(vec)
-        async_copy.mark(sch, serial, knobs.vector * DTYPE_BYTES[problem.dtype])
+        async_copy.mark(sch, serial)
         # 3. Both statistics over shared memory, kept in registers.
         for block in (row_max, row_sum):
             thread_reduce(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll, shared)

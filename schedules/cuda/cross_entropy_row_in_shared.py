@@ -95,7 +95,7 @@ class CrossEntropyRowInShared(Candidate):
         sch.compute_at(copy, row, preserve_unit_loops=True)
         _, serial, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
         sch.vectorize(vec)
-        async_copy.mark(sch, serial, knobs.vector * DTYPE_BYTES[problem.dtype])
+        async_copy.mark(sch, serial)
         # 4. The scalar transform on one thread, then the batch kernel.
         single_thread(sch, epilogue, knobs.threads)
         schedule_ce_batch_stage(sch, problem, knobs.threads)
