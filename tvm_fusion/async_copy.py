@@ -59,9 +59,12 @@ def wanted(mod: tvm.IRModule) -> bool:
 
 
 def lowering_config(config: dict) -> dict:
-    """The pass context's config for such a module: TVM's storage rewrite off. It
-    retypes a shared buffer read whole in 16-byte vectors as ``float16x8``, and
-    ``InjectPTXAsyncCopy`` then refuses the copy (its load and store differ in lanes)."""
+    """The pass context's config for a module whose marked copies go ``cp.async``
+    (:func:`copyable`): TVM's storage rewrite off. It retypes a shared buffer read whole
+    in 16-byte vectors as ``float16x8``, and ``InjectPTXAsyncCopy`` then refuses the copy
+    (its load and store differ in lanes). Only there: with scalar copies (a plane of 225
+    fp16 values, BatchNorm's backward) the build without storage rewrite failed in TVM
+    ("Load memory in places other than store")."""
     return {**config, "tirx.disable_storage_rewrite": True}
 
 
@@ -81,6 +84,30 @@ def _copies(stmt: tirx.Stmt) -> list[int]:
         return child
     map_children(stmt, visit)
     return found
+
+
+def _marked(stmt: tirx.Stmt) -> list[tirx.AttrStmt]:
+    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == KEY:
+        return [stmt]
+    found: list = []
+
+    def visit(child):
+        found.extend(_marked(child))
+        return child
+    map_children(stmt, visit)
+    return found
+
+
+def copyable(mod: tvm.IRModule) -> bool:
+    """Whether ``mod`` (lowered by TVM's pipeline) has a marked loop whose copies are all
+    of cp.async's widths."""
+    for func in mod.functions.values():
+        if isinstance(func, tirx.PrimFunc):
+            for marked in _marked(func.body):
+                widths = _copies(marked.body)
+                if widths and all(w in COPY_BYTES for w in widths):
+                    return True
+    return False
 
 
 def _wait_all() -> tirx.Stmt:

@@ -203,15 +203,24 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
     if any(isinstance(f, tirx.PrimFunc) and f.attrs is not None and f.attrs.get(PARTITION_LIKELY_ATTR)
            for f in mod.functions.values()):
         config["s_tir.LoopPartition"] = {"partition_const_loop": True}
-    if async_copy.wanted(mod):
-        config = async_copy.lowering_config(config)
     pipelined = async_rounds.wanted(mod)
     if pipelined:
         config, disabled = async_rounds.lowering_config(config, disabled)
     mod = granule_stores.module_stores_in_place(mod)  # a tuner's build: no compiled_form before
+
+    def through(config: dict) -> tvm.IRModule:
+        with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
+                                       disabled_pass=disabled, config=config, instruments=list(ctx.instruments)):
+            return pipeline(mod)
+
+    out = through(config)
+    if async_copy.wanted(mod) and async_copy.copyable(out):
+        # Marked copies of cp.async's widths: lowered again as InjectPTXAsyncCopy takes them.
+        config = async_copy.lowering_config(config)
+        out = through(config)
     with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
                                    disabled_pass=disabled, config=config, instruments=list(ctx.instruments)):
-        mod = async_copy.inject(pipeline(mod))
+        mod = async_copy.inject(out)
         if pipelined:
             mod = async_rounds.lower_allreduce(mod)
     return store_hints.evict_first_stores(marked_loops(mod))
