@@ -15,8 +15,10 @@ test_bn_grid_persistent), which build with the copies asynchronous.
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
+import tempfile
 
 import pytest
 
@@ -37,11 +39,17 @@ def ce_grad(shape, dtype, **options):
 
 
 CASES = [
+    # row_in_shared's dispatched shape; a 16-byte row past 64 KB with options (weight,
+    # smoothing: more buffers in the kernel); the forward's own copy of the row
     (ce_grad((4096, 32000), "float16"), "cross_entropy_grad_row_in_shared"),
     (ce_grad((512, 50304), "bfloat16", weight=True, label_smoothing=0.1), "cross_entropy_grad_row_in_shared"),
     (tf.make_problem("cross_entropy", (4096, 32000), "float16"), "cross_entropy_row_in_shared"),
+    # row_in_cluster: a bf16 row in parts with its copy's last step bounded by the part;
+    # fp32 (4 values a lane) in place
     (ce_grad((1024, 128256), "bfloat16"), "cross_entropy_grad_row_in_cluster"),
     (ce_grad((256, 151936), "float32", in_place=True), "cross_entropy_grad_row_in_cluster"),
+    # BatchNorm: the forward dispatch picks on ResNet's stage-1 shape, the grid-wide
+    # forward with rounds (bf16), and the backward's two copies (x and dy)
     (tf.make_problem("bn_forward", (64, 256, 56, 56), "float16", training=True), "bn_forward_cluster_half_one_launch"),
     (tf.make_problem("bn_forward", (32, 64, 112, 112), "bfloat16", training=True), "bn_forward_grid_persistent"),
     (tf.make_problem("bn_backward", (64, 256, 56, 56), "float16"), "bn_backward_cluster"),
@@ -81,7 +89,6 @@ def test_nvcc_compiles_the_asynchronous_copies_without_spills():
         pytest.skip("needs nvcc")
     problem, candidate = CASES[3]
     source = build_kernel(problem, CUDA, candidate).device_source()
-    import tempfile, os
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "k.cu")
         open(path, "w").write(source)
