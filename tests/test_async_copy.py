@@ -2,8 +2,8 @@
 ``cp.async``.
 
 CPU: the generated CUDA of each marked candidate (the gradient's and the forward's
-row_in_shared, the gradient's row_in_cluster, the BatchNorm forward and backward on-chip
-parts) copies with ``cp.async.cg`` 16 bytes a lane, holds no synchronous global-to-shared
+row_in_shared, the gradient's row_in_cluster, granules' window and head_in_shared's head,
+the BatchNorm forward and backward on-chip parts) copies with ``cp.async.cg`` 16 bytes a lane, holds no synchronous global-to-shared
 copy, and waits (``cp.async.wait_all``) before the first barrier after the copies; the
 backward's two copies share one wait; nvcc compiles it to PTX with the asynchronous copies
 and no spills; the pipelined candidates (their copies asynchronous by TVM's software
@@ -48,6 +48,10 @@ CASES = [
     # fp32 (4 values a lane) in place
     (ce_grad((1024, 128256), "bfloat16"), "cross_entropy_grad_row_in_cluster"),
     (ce_grad((256, 151936), "float32", in_place=True), "cross_entropy_grad_row_in_cluster"),
+    # rows off the 16-byte grid: the window of whole granules (granules_in_shared, the
+    # dispatched 16384x50257 bf16); a row too long for shared memory: its head
+    (ce_grad((16384, 50257), "bfloat16"), "cross_entropy_grad_granules_in_shared"),
+    (ce_grad((8192, 128256), "bfloat16"), "cross_entropy_grad_head_in_shared"),
     # BatchNorm: the forward dispatch picks on ResNet's stage-1 shape, the grid-wide
     # forward with rounds (bf16), and the backward's two copies (x and dy)
     (tf.make_problem("bn_forward", (64, 256, 56, 56), "float16", training=True), "bn_forward_cluster_half_one_launch"),
