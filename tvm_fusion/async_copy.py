@@ -36,13 +36,14 @@ copy, or one left synchronous after the rewrite, is an error.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
 import tvm
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad
 
-from .stmts import map_children
+from .stmts import collect, map_children
 
 KEY = "pragma_tvm_fusion_async_copy"
 SCOPE = "async_scope"
@@ -77,34 +78,23 @@ def lowering_config(config: dict) -> dict:
     return {**config, "tirx.disable_storage_rewrite": True}
 
 
+def _copy_width(stmt: tirx.Stmt) -> int | None:
+    """The bytes a lane of ``stmt``, a store into shared memory of a global load; None
+    for any other statement."""
+    if isinstance(stmt, tirx.BufferStore) and stmt.buffer.scope().startswith("shared") \
+            and isinstance(stmt.value, TensorLoad) and stmt.value.source.scope() == "global":
+        dtype = tvm.DataType(str(stmt.value.ty))
+        return dtype.bits * dtype.lanes // 8
+    return None
+
+
 def _copies(stmt: tirx.Stmt) -> list[int]:
     """The bytes a lane of each store into shared memory of a global load under ``stmt``."""
-    if isinstance(stmt, tirx.BufferStore):
-        value = stmt.value
-        if stmt.buffer.scope().startswith("shared") and isinstance(value, TensorLoad) \
-                and value.source.scope() == "global":
-            dtype = tvm.DataType(str(value.ty))
-            return [dtype.bits * dtype.lanes // 8]
-        return []
-    found: list[int] = []
-
-    def visit(child):
-        found.extend(_copies(child))
-        return child
-    map_children(stmt, visit)
-    return found
+    return collect(stmt, _copy_width)
 
 
-def _marked(stmt: tirx.Stmt) -> list[tirx.AttrStmt]:
-    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == KEY:
-        return [stmt]
-    found: list = []
-
-    def visit(child):
-        found.extend(_marked(child))
-        return child
-    map_children(stmt, visit)
-    return found
+def _attr(key: str) -> Callable[[tirx.Stmt], tirx.AttrStmt | None]:
+    return lambda stmt: stmt if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == key else None
 
 
 def copyable(mod: tvm.IRModule) -> bool:
@@ -112,7 +102,7 @@ def copyable(mod: tvm.IRModule) -> bool:
     of cp.async's widths."""
     for func in mod.functions.values():
         if isinstance(func, tirx.PrimFunc):
-            for marked in _marked(func.body):
+            for marked in collect(func.body, _attr(KEY)):
                 widths = _copies(marked.body)
                 if widths and all(w in COPY_BYTES for w in widths):
                     return True
@@ -164,27 +154,18 @@ def _walk(stmt: tirx.Stmt, found: list) -> tirx.Stmt:
 
 def _check(stmt: tirx.Stmt, name: str) -> None:
     """Raise where an async scope still holds a synchronous copy."""
-    if isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == SCOPE:
-        if _copies(stmt.body):
-            raise ValueError(f"async_copy: a marked copy in {name} stayed synchronous")
-        return
-
-    def visit(child):
-        _check(child, name)
-        return child
-    map_children(stmt, visit)
+    if any(_copies(scope.body) for scope in collect(stmt, _attr(SCOPE))):
+        raise ValueError(f"async_copy: a marked copy in {name} stayed synchronous")
 
 
 def inject(mod: tvm.IRModule) -> tvm.IRModule:
-    """``mod`` (after TVM's pipeline, barriers placed) with each marked copy loop's copies
-    made ``cp.async`` and waited for (module docstring); unchanged without marks."""
-    changed = False
+    """``mod`` (after TVM's pipeline, barriers placed; :func:`wanted`) with each marked
+    copy loop's copies made ``cp.async`` and waited for (module docstring)."""
+    found: list = []
     for gvar, func in list(mod.functions.items()):
-        if isinstance(func, tirx.PrimFunc) and KEY in func.script():
-            found: list = []
+        if isinstance(func, tirx.PrimFunc):
             mod[gvar] = func.with_body(_walk(func.body, found))
-            changed = changed or bool(found)
-    if not changed or not ENABLED:
+    if not found or not ENABLED:
         return mod
     mod = s_tir.transform.InjectPTXAsyncCopy()(mod)
     for gvar, func in mod.functions.items():

@@ -211,18 +211,16 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
     def through(config: dict) -> tvm.IRModule:
         with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
                                        disabled_pass=disabled, config=config, instruments=list(ctx.instruments)):
-            return pipeline(mod)
+            out = pipeline(mod)
+            return async_rounds.lower_allreduce(out) if pipelined else out
 
     out = through(config)
-    if async_copy.wanted(mod) and async_copy.copyable(out):
-        # Marked copies of cp.async's widths: lowered again as InjectPTXAsyncCopy takes them.
-        config = async_copy.lowering_config(config)
-        out = through(config)
-    with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
-                                   disabled_pass=disabled, config=config, instruments=list(ctx.instruments)):
-        mod = async_copy.inject(out)
-        if pipelined:
-            mod = async_rounds.lower_allreduce(mod)
+    if async_copy.wanted(mod):
+        if async_copy.copyable(out):
+            # Marked copies of cp.async's widths: lowered again as InjectPTXAsyncCopy takes them.
+            out = through(async_copy.lowering_config(config))
+        out = async_copy.inject(out)
+    mod = out
     return store_hints.evict_first_stores(marked_loops(mod))
 
 
