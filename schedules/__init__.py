@@ -55,6 +55,7 @@ from .cuda import (  # noqa: F401
     cross_entropy_grad_online,
     cross_entropy_grad_row_in_cluster,
     cross_entropy_grad_row_in_shared,
+    cross_entropy_grad_row_targets,
     cross_entropy_grad_warp_per_row,
     cross_entropy_grad_warp_per_row_padded,
     cross_entropy_grad_window_in_shared,
@@ -95,6 +96,7 @@ DISPATCH_ORDER = {
         "cross_entropy_grad_head_in_shared",
         "cross_entropy_grad_online",
         "cross_entropy_grad_block_per_row",
+        "cross_entropy_grad_row_targets",  # after block_per_row: a record picks it, untimed on the GPU
         "cross_entropy_grad_from_lse_warp_per_row",
         "cross_entropy_grad_from_lse_block_per_row",
     ],

@@ -81,6 +81,17 @@ its own exact extent:
        ``dlogits`` itself).
     A cluster schedule gives each part a block, the P blocks of a row one cluster, and
     exchanges the parts' pairs between 1 and 2 (``cross_entropy_grad_row_in_cluster``).
+``fused_row_targets``  ``x(SR), t(SR) -> max(S), denom_i(S) -> exp, sum(S) -> lse, row_loss,
+coef(S) -> dlogits(SS) | row_loss, t(R) -> loss, denom, first_bad``
+    ``fused`` without the pass over the targets first, for small batches (the mean
+    and sum): every row sums the mean's denominator over all B targets itself,
+    ``row_denom[i] = sum_j w[t_j]`` (valid rows; the same value in every row), so
+    that a row kernel needs nothing computed before it; the outputs ``denom`` and
+    ``first_bad_row`` come from the batch stage, which sums the row losses, the
+    denominator and the first bad row in one pass (the forward's ``BATCH_SUMS``).
+    B times the targets' reads: a GPU schedule reads them from L2 in every row
+    block, and saves the targets kernel's launch. "none" keeps ``fused``'s pass
+    (it has no batch stage).
 ``from_lse``  ``t(R) -> denom | w(R) -> W | coef(S) -> dlogits(SS)``
     0. ``denom`` (mean) over the targets and ``weight_total`` (W, with weight and
        smoothing) over the weight, each a first small pass; 3. the coefficients;
@@ -129,22 +140,24 @@ from .cross_entropy import (
     target_checks,
 )
 from .primitives import (
-    DUAL_SUM, ONLINE_LSE, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen,
+    BATCH_SUMS, DUAL_SUM, ONLINE_LSE, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen,
 )
 
 GRANULES_ALGORITHM = "fused_granules"
+ROW_TARGETS_ALGORITHM = "fused_row_targets"
 PARTS_ALGORITHM = "fused_parts"
 PARTS = "dlogits_parts"  # fused_parts' map, laid out as the (B P, L) view
 GRANULES = "dlogits_granules"  # fused_granules' map, laid out as the window
 # The decompositions that read the row from its window (``window_statistics``).
 WINDOWED = ("fused_window", GRANULES_ALGORITHM)
 ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp", "fused_padded",
-              "fused_window", "fused_head", GRANULES_ALGORITHM, PARTS_ALGORITHM)
+              "fused_window", "fused_head", GRANULES_ALGORITHM, PARTS_ALGORITHM, ROW_TARGETS_ALGORITHM)
 MODE_OF = {name: "from_lse" if name.startswith("from_lse") else "fused" for name in ALGORITHMS}
 DEFAULT_FOR_MODE = {"fused": "fused", "from_lse": "from_lse"}
 # The forward decomposition whose row statistics each fused decomposition reuses.
 STATISTICS = {"fused": "three_pass", "fused_online": "online", "fused_head": "online",
-              "fused_poly_exp": "three_pass_poly_exp", "fused_padded": "padded_three_pass"}
+              "fused_poly_exp": "three_pass_poly_exp", "fused_padded": "padded_three_pass",
+              ROW_TARGETS_ALGORITHM: "three_pass"}
 
 TARGET_SUMS = tuple_reducer(("sum", "min"), name="target_sums")
 F32 = "float32"
@@ -187,8 +200,17 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
     i_loss = te.reduce_axis((tirx.IntImm(idx, 0), batch), name="i2")
 
     # 0. Passes over the targets (and the weight) before any row.
-    denom = first_bad = weight_total = None
-    if fused and reduction == "mean":
+    denom = first_bad = weight_total = row_denom = None
+    # fused_row_targets: the batch stage computes these (below), every row its denominator.
+    in_batch = algorithm == ROW_TARGETS_ALGORITHM and reduction != "none"
+    if in_batch:
+        if reduction == "mean":
+            j_all = te.reduce_axis((tirx.IntImm(idx, 0), batch), name="j")
+            row_denom = te.compute(
+                rows, lambda _i: te.sum(row_weight_value(problem, weight, checks, j_all, idx), axis=j_all),
+                name="row_denom",
+            )
+    elif fused and reduction == "mean":
         denom_acc, first_bad_acc = te.compute(
             scalar,
             lambda _: TARGET_SUMS((row_weight_value(problem, weight, checks, i_all, idx),
@@ -251,7 +273,7 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
         up = tirx.const(1.0, F32) if fused else dloss[i if reduction == "none" else zero]
         if reduction != "mean":
             return up
-        d = denom[zero]
+        d = denom[zero] if row_denom is None else row_denom[i]
         return tirx.Select(d == tirx.const(0.0, F32), tirx.const(float("nan"), F32), up / d)
 
     def coefficients(i):
@@ -319,7 +341,19 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
     # order follows the output list): targets, rows, then the batch.
     if reduction == "none":
         return params + [first_bad, lse_out, row_loss, dlogits]
-    if reduction == "mean":
+    if in_batch:
+        total, batch_denom, first_bad_acc = te.compute(
+            scalar,
+            lambda _: BATCH_SUMS((row_loss[i_loss], row_weight_value(problem, weight, checks, i_loss, idx),
+                                  bad_row_value(problem, checks, i_loss)), axis=i_loss),
+            name="batch",
+        )
+        mean = reduction == "mean"
+        loss = te.compute(scalar, lambda z: total[z] / batch_denom[z] if mean else total[z], name="loss")
+        first_bad = te.compute(scalar, lambda z: first_bad_acc[z], name="first_bad_row")
+        if mean:
+            denom = te.compute(scalar, lambda z: batch_denom[z], name="denom")
+    elif reduction == "mean":
         # The denominator again beside the losses (B values): the epilogue may read
         # only what its own kernel computed (a GPU schedule's one-block reduction).
         total, batch_denom = te.compute(

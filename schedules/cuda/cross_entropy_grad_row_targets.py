@@ -1,0 +1,85 @@
+"""Cross entropy and its gradient for small batches, in one launch: every row block
+sums the mean's denominator over the targets itself.
+
+Pattern ``x(SR), t(SR) -> max(S), denom_i(S) -> exp, sum(S) -> lse, row_loss,
+coef(S) -> dlogits(SS) | row_loss, t(R) -> loss, denom, first_bad``, the
+``fused_row_targets`` decomposition. ``cross_entropy_grad_block_per_row`` runs a
+first kernel over the targets (the first bad row and the mean's denominator: every
+row's scale needs the denominator before it stores a gradient), then the row kernel.
+On a small batch that first kernel is a launch and a DRAM round trip in front of the
+rows: the H200's "launch parts" probe (results/benchmarks.csv, 2026-12-06T20:22Z)
+timed 128x32000 fp16 at 0.0151 ms as built and 0.0132 with the small kernels'
+bodies emptied, against Quack's 0.014 anchor for the step.
+
+Here there is no first kernel:
+1. One block per row (``blockIdx.x``), the row loop of ``block_per_row``.
+2. ``row_denom``: the block's lanes stride over the B targets (at most ``MAX_BATCH``:
+   8 KB of int64 targets a block, from L2 after the first blocks) and reduce across
+   the block; every thread keeps the sum in a register. The same value in every
+   block, so the rows' scales agree.
+3. The statistics, coefficients and ``dlogits`` as ``block_per_row``.
+4. The batch stage (one block: the sum of the row losses, the denominator and the
+   first bad row in one pass, then ``loss``, ``denom``, ``first_bad_row``), which
+   the single-launch pass runs in the row kernel's last block.
+
+The mean and the sum (reduction "none" has no batch stage to carry the first bad
+row). Not in place. Dispatch order puts it after ``block_per_row``, so only a tuning
+record picks it until its A/B against ``block_per_row`` is measured on the GPU.
+"""
+
+from __future__ import annotations
+
+from tvm_fusion.contracts import CrossEntropyGradProblem
+from tvm_fusion.registry import Candidate, register
+
+from ..common import coefficients_at, outputs_to, row_loss_name, single_thread, thread_reduce
+from .common import batch_threads, grad_map, merge_grad_rows, one_block_reduce
+from .cross_entropy_block_per_row import BlockPerRowKnobs, CrossEntropyBlockPerRow
+
+MAX_BATCH = 1024  # rows whose targets every row block reads
+
+
+@register
+class CrossEntropyGradRowTargets(Candidate):
+    name = "cross_entropy_grad_row_targets"
+    op = "cross_entropy_grad"
+    target_kind = "cuda"
+    algorithm = "fused_row_targets"
+    knobs = BlockPerRowKnobs  # block_per_row's launch shape over the same row
+    claims = {"shuffles": True, "vector_loads": True}
+
+    def applies(self, problem: CrossEntropyGradProblem) -> bool:
+        return (problem.mode == "fused" and problem.reduction != "none" and not problem.in_place
+                and problem.batch <= MAX_BATCH and CrossEntropyBlockPerRow.applies(self, problem))
+
+    choices = CrossEntropyBlockPerRow.choices
+    default_for = CrossEntropyBlockPerRow.default_for
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        mean = problem.reduction == "mean"
+        # 1. One row loop, one block per row; the coefficients and the row's
+        # denominator at dlogits' row.
+        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
+        coefficients_at(sch, problem, dlogits_row, "local")
+        if mean:
+            sch.compute_at(sch.get_sblock("row_denom"), dlogits_row, preserve_unit_loops=True)
+        row = merge_grad_rows(sch, problem)
+        sch.bind(row, "blockIdx.x")
+        # 2. The denominator across the block's lanes, in every thread's registers.
+        if mean:
+            row_denom = sch.get_sblock("row_denom")
+            serial, lane = sch.split(sch.get_loops(row_denom)[-1], [None, knobs.threads])
+            sch.reorder(lane, serial)
+            sch.bind(lane, "threadIdx.x")
+            outputs_to(sch, row_denom, "shared")
+        # 3. block_per_row's statistics, map and per-row outputs.
+        for name in ("row_max", "row_sumexp"):
+            block = sch.get_sblock(name)
+            thread_reduce(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll, "logits")
+            outputs_to(sch, block, "local")
+        grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll)
+        for name in ("lse", row_loss_name(problem)):
+            single_thread(sch, sch.get_sblock(name), knobs.threads)
+        # 4. The batch stage and the outputs the targets pass wrote in block_per_row.
+        epilogues = ("loss", "first_bad_row") + (("denom",) if mean else ())
+        one_block_reduce(sch, "batch", batch_threads(sch, problem.batch, knobs.threads), epilogues=epilogues)

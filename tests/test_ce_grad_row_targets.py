@@ -1,0 +1,114 @@
+"""cross_entropy_grad_row_targets: the fused gradient of a small batch in one launch,
+every row block summing the mean's denominator over the targets itself, the first bad
+row and the denominator written by the batch stage (``fused_row_targets``).
+
+CPU: where the candidate applies and that dispatch leaves it to the tuner; the
+decomposition is in ``test_cross_entropy_grad``'s unscheduled test (every option,
+float64 reference); the generated CUDA (one kernel where ``block_per_row`` has two,
+the targets read in the row kernel before any gradient store, ``denom`` and
+``first_bad_row`` stored only in the last block's stage), the PTX (16-byte loads,
+shuffles, no spills), sampled knobs. GPU: the kernel on torch tensors with poisoned
+outputs against torch autograd in float64, every option, default and sampled knobs
+(``test_cross_entropy_grad``'s GPU shapes take it too where it applies).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from helpers import default_and_sampled, has_gpu, torch_or_none
+from test_cross_entropy_grad import check_on_device, check_ptx_vector_loads_shuffles_no_spills, gpu_problem
+from tvm_fusion import registry, targets
+from tvm_fusion.codegen import nvcc_path
+from tvm_fusion.contracts import cross_entropy_grad_problem
+from tvm_fusion.dispatch import choose
+from tvm_fusion.kernel import build_kernel
+
+torch = torch_or_none()
+CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
+NAME = "cross_entropy_grad_row_targets"
+CANDIDATE = registry.get(NAME)
+KERNEL_HEAD = r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?\w+\([^)]*\) \{'
+
+
+def problem(shape, dtype="float16", **options):
+    return cross_entropy_grad_problem(shape, dtype, mode="fused", **options)
+
+
+@pytest.mark.parametrize("shape, options, applies", [
+    ((128, 32000), {}, True),
+    ((1024, 1000), {"reduction": "sum", "label_smoothing": 0.1}, True),
+    ((1, 151936), {"weight_shape": (151936,)}, True),
+    ((1025, 32000), {}, False),  # past MAX_BATCH
+    ((128, 32000), {"reduction": "none"}, False),  # no batch stage to carry the first bad row
+    ((128, 32000), {"in_place": True}, False),
+])
+def test_where_it_applies(shape, options, applies):
+    assert CANDIDATE.applies(problem(shape, **options)) is applies
+
+
+def test_dispatch_leaves_it_to_a_record():
+    """Untimed on the GPU: dispatch order puts it after block_per_row, which prefers all."""
+    assert choose(problem((128, 32000)), CUDA).candidate != NAME
+
+
+def kernels(source: str) -> list[str]:
+    return [b for b in re.split(f"(?={KERNEL_HEAD})", source) if re.match(KERNEL_HEAD, b)]
+
+
+@pytest.mark.parametrize("options", [{}, {"reduction": "sum"}, {"weight_shape": (32000,), "label_smoothing": 0.1}])
+def test_one_kernel_where_block_per_row_has_two(options):
+    p = problem((128, 32000), **options)
+    ours = kernels(build_kernel(p, CUDA, NAME).device_source())
+    theirs = kernels(build_kernel(p, CUDA, "cross_entropy_grad_block_per_row").device_source())
+    assert len(ours) == 1 and len(theirs) == 2, (len(ours), len(theirs))
+    (body,) = ours
+    rows, last_block = body.split("__threadfence();", 1)
+    # The row part reads the targets (the denominator, the row's own target) and stores
+    # the gradient; the outputs of the old targets pass come only from the last block.
+    assert "target_ptr[((int)threadIdx.x)]" in rows or "reduction" in options
+    assert "dlogits_ptr" in rows and "launch_ticket" in last_block
+    for output in ("first_bad_row_ptr[0] =",) + (("denom_ptr[0] =",) if "reduction" not in options else ()):
+        assert output not in rows and output in last_block, output
+    # The denominator is summed before the first gradient store of the row.
+    if "reduction" not in options:
+        assert rows.index("in_thread_row_denom") < rows.index("dlogits_ptr +")
+
+
+@pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("shape, dtype", [((128, 32000), "float16"), ((1024, 1000), "bfloat16"),
+                                          ((3, 50000), "float32")])
+def test_ptx_vector_loads_shuffles_no_spills(shape, dtype):
+    check_ptx_vector_loads_shuffles_no_spills(build_kernel(problem(shape, dtype), CUDA, NAME))
+
+
+def test_sampled_knobs_build_one_kernel():
+    p = problem((200, 32000), "bfloat16", label_smoothing=0.1)
+    for knobs in default_and_sampled(CANDIDATE, p, CUDA, 4):
+        assert len(kernels(build_kernel(p, CUDA, NAME, knobs).device_source())) == 1, knobs
+
+
+# -- on the GPU ---------------------------------------------------------------------------
+GPU_CASES = [((128, 32000), {}), ((1024, 2000), {"weight": True, "label_smoothing": 0.1}),
+             ((77, 50000), {"reduction": "sum", "target_dtype": "int32"}), ((1, 151936), {}),
+             ((64, 1000), {"all_ignored": True}), ((300, 4096), {"reduction": "sum", "all_ignored": True})]
+
+
+def gpu_params():
+    for shape, options in GPU_CASES:
+        for dtype in ("float16", "bfloat16", "float32"):
+            p = gpu_problem(shape, options, dtype, "fused")
+            for knobs in default_and_sampled(CANDIDATE, p, CUDA, 2 if dtype == "bfloat16" else 0):
+                yield pytest.param(shape, tuple(sorted(options.items())), dtype, knobs,
+                                   id=f"{p.key()}-{knobs}{'-all_ignored' if 'all_ignored' in options else ''}")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, options, dtype, knobs", list(gpu_params()))
+def test_on_gpu_against_float64(shape, options, dtype, knobs):
+    options = dict(options)
+    p = gpu_problem(shape, options, dtype, "fused")
+    check_on_device(p, options, build_kernel(p, targets.resolve("cuda"), NAME, knobs), "cuda")
