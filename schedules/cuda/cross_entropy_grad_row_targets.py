@@ -25,6 +25,16 @@ Here there is no first kernel:
 The mean and the sum (reduction "none" has no batch stage to carry the first bad
 row). Not in place. Dispatch order puts it after ``block_per_row``, so only a tuning
 record picks it until its A/B against ``block_per_row`` is measured on the GPU.
+
+Not used: the denominator summed once, by the first block, with the others waiting on
+a flag in global memory (a block may wait on one the GPU has not scheduled: only a
+cooperative launch, all blocks resident, is safe, ``tvm_fusion.grid_barrier``); float atomics
+of the row losses into ``loss`` (they add in no fixed order, so the loss would differ
+from run to run); the row's denominator in registers (TVM's allreduce leaves it in a
+shared buffer that StorageRewrite then gave to the coefficient every thread computed
+from it: all threads stored there while others still read it, caught by
+``test_cross_entropy_grad``'s shared-store check), so it is copied into a shared
+buffer by thread 0, behind a barrier.
 """
 
 from __future__ import annotations
@@ -36,7 +46,10 @@ from ..common import coefficients_at, outputs_to, row_loss_name, single_thread, 
 from .common import batch_threads, grad_map, merge_grad_rows, one_block_reduce
 from .cross_entropy_block_per_row import BlockPerRowKnobs, CrossEntropyBlockPerRow
 
-MAX_BATCH = 1024  # rows whose targets every row block reads
+# Rows whose targets every row block reads: 8 KB of int64 targets, four loads a lane at
+# 256 lanes, against 64 KB and more of logits a block on the rows it is for (V = 32000
+# fp16). A first guess: the GPU A/B against block_per_row should set it.
+MAX_BATCH = 1024
 
 
 @register
