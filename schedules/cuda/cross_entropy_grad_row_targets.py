@@ -15,8 +15,8 @@ Here there is no first kernel:
 1. One block per row (``blockIdx.x``), the row loop of ``block_per_row``.
 2. ``row_denom``: the block's lanes stride over the B targets (at most ``MAX_BATCH``:
    8 KB of int64 targets a block, from L2 after the first blocks) and reduce across
-   the block; every thread keeps the sum in a register. The same value in every
-   block, so the rows' scales agree.
+   the block; thread 0 keeps the sum in shared memory, behind a barrier. The same
+   value in every block, so the rows' scales agree.
 3. The statistics, coefficients and ``dlogits`` as ``block_per_row``.
 4. The batch stage (one block: the sum of the row losses, the denominator and the
    first bad row in one pass, then ``loss``, ``denom``, ``first_bad_row``), which
@@ -40,11 +40,11 @@ buffer by thread 0, behind a barrier.
 from __future__ import annotations
 
 from tvm_fusion.contracts import CrossEntropyGradProblem
-from tvm_fusion.registry import Candidate, register
+from tvm_fusion.registry import register
 
-from ..common import coefficients_at, outputs_to, row_loss_name, single_thread, thread_reduce
-from .common import batch_threads, grad_map, merge_grad_rows, one_block_reduce
-from .cross_entropy_block_per_row import BlockPerRowKnobs, CrossEntropyBlockPerRow
+from ..common import outputs_to
+from .common import batch_threads, one_block_reduce
+from .cross_entropy_grad_block_per_row import CrossEntropyGradBlockPerRow
 
 # Rows whose targets every row block reads: 8 KB of int64 targets, four loads a lane at
 # 256 lanes, against 64 KB and more of logits a block on the rows it is for (V = 32000
@@ -53,46 +53,32 @@ MAX_BATCH = 1024
 
 
 @register
-class CrossEntropyGradRowTargets(Candidate):
+class CrossEntropyGradRowTargets(CrossEntropyGradBlockPerRow):
+    """block_per_row's row kernel, its knobs and space; no targets pass."""
+
     name = "cross_entropy_grad_row_targets"
-    op = "cross_entropy_grad"
-    target_kind = "cuda"
     algorithm = "fused_row_targets"
-    knobs = BlockPerRowKnobs  # block_per_row's launch shape over the same row
-    claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
-        return (problem.mode == "fused" and problem.reduction != "none" and not problem.in_place
-                and problem.batch <= MAX_BATCH and CrossEntropyBlockPerRow.applies(self, problem))
+        return (problem.reduction != "none" and not problem.in_place and problem.batch <= MAX_BATCH
+                and super().applies(problem))
 
-    choices = CrossEntropyBlockPerRow.choices
-    default_for = CrossEntropyBlockPerRow.default_for
+    def at_dlogits_row(self, sch, problem: CrossEntropyGradProblem, dlogits_row) -> None:
+        super().at_dlogits_row(sch, problem, dlogits_row)
+        if problem.reduction == "mean":  # the row's denominator, before its coefficients
+            sch.compute_at(sch.get_sblock("row_denom"), dlogits_row, preserve_unit_loops=True)
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         mean = problem.reduction == "mean"
-        # 1. One row loop, one block per row; the coefficients and the row's
-        # denominator at dlogits' row.
-        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
-        coefficients_at(sch, problem, dlogits_row, "local")
-        if mean:
-            sch.compute_at(sch.get_sblock("row_denom"), dlogits_row, preserve_unit_loops=True)
-        row = merge_grad_rows(sch, problem)
-        sch.bind(row, "blockIdx.x")
-        # 2. The denominator across the block's lanes, in every thread's registers.
+        # 1, 3. block_per_row's row kernel: statistics, coefficients, map, per-row outputs.
+        self.schedule_rows(sch, problem, knobs)
+        # 2. The row's denominator across the block's lanes.
         if mean:
             row_denom = sch.get_sblock("row_denom")
             serial, lane = sch.split(sch.get_loops(row_denom)[-1], [None, knobs.threads])
             sch.reorder(lane, serial)
             sch.bind(lane, "threadIdx.x")
             outputs_to(sch, row_denom, "shared")
-        # 3. block_per_row's statistics, map and per-row outputs.
-        for name in ("row_max", "row_sumexp"):
-            block = sch.get_sblock(name)
-            thread_reduce(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll, "logits")
-            outputs_to(sch, block, "local")
-        grad_map(sch, 1, knobs.threads, knobs.vector, knobs.unroll)
-        for name in ("lse", row_loss_name(problem)):
-            single_thread(sch, sch.get_sblock(name), knobs.threads)
         # 4. The batch stage and the outputs the targets pass wrote in block_per_row.
         epilogues = ("loss", "first_bad_row") + (("denom",) if mean else ())
         one_block_reduce(sch, "batch", batch_threads(sch, problem.batch, knobs.threads), epilogues=epilogues)

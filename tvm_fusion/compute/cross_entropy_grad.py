@@ -88,7 +88,7 @@ coef(S) -> dlogits(SS) | row_loss, t(R) -> loss, denom, first_bad``
     ``row_denom[i] = sum_j w[t_j]`` (valid rows; the same value in every row), so
     that a row kernel needs nothing computed before it; the outputs ``denom`` and
     ``first_bad_row`` come from the batch stage, which sums the row losses, the
-    denominator and the first bad row in one pass (the forward's ``BATCH_SUMS``).
+    denominator and the first bad row in one pass (the forward's ``batch_stage``).
     B times the targets' reads: a GPU schedule reads them from L2 in every row
     block, and saves the targets kernel's launch. "none" keeps ``fused``'s pass
     (it has no batch stage).
@@ -129,6 +129,7 @@ from ..contracts.common import DTYPE_BYTES
 from ..contracts.cross_entropy_grad import CrossEntropyGradProblem
 from .cross_entropy import (
     bad_row_value,
+    batch_stage,
     guarded,
     online_chunk_statistics,
     placeholders,
@@ -140,7 +141,7 @@ from .cross_entropy import (
     target_checks,
 )
 from .primitives import (
-    BATCH_SUMS, DUAL_SUM, ONLINE_LSE, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen,
+    DUAL_SUM, ONLINE_LSE, dims, granule, index_dtype, logsumexp, poly_exp, tuple_reducer, widen,
 )
 
 GRANULES_ALGORITHM = "fused_granules"
@@ -205,9 +206,8 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
     in_batch = algorithm == ROW_TARGETS_ALGORITHM and reduction != "none"
     if in_batch:
         if reduction == "mean":
-            j_all = te.reduce_axis((tirx.IntImm(idx, 0), batch), name="j")
             row_denom = te.compute(
-                rows, lambda _i: te.sum(row_weight_value(problem, weight, checks, j_all, idx), axis=j_all),
+                rows, lambda _: te.sum(row_weight_value(problem, weight, checks, i_all, idx), axis=i_all),
                 name="row_denom",
             )
     elif fused and reduction == "mean":
@@ -341,17 +341,9 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
     # order follows the output list): targets, rows, then the batch.
     if reduction == "none":
         return params + [first_bad, lse_out, row_loss, dlogits]
-    if in_batch:
-        total, batch_denom, first_bad_acc = te.compute(
-            scalar,
-            lambda _: BATCH_SUMS((row_loss[i_loss], row_weight_value(problem, weight, checks, i_loss, idx),
-                                  bad_row_value(problem, checks, i_loss)), axis=i_loss),
-            name="batch",
-        )
-        mean = reduction == "mean"
-        loss = te.compute(scalar, lambda z: total[z] / batch_denom[z] if mean else total[z], name="loss")
-        first_bad = te.compute(scalar, lambda z: first_bad_acc[z], name="first_bad_row")
-        if mean:
+    if in_batch:  # the forward's batch stage, and the denominator as an output
+        loss, first_bad, batch_denom = batch_stage(problem, row_loss, weight, checks, i_loss, idx)
+        if reduction == "mean":
             denom = te.compute(scalar, lambda z: batch_denom[z], name="denom")
     elif reduction == "mean":
         # The denominator again beside the losses (B values): the epilogue may read
