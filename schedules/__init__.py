@@ -97,6 +97,7 @@ DISPATCH_ORDER = {
         "cross_entropy_grad_online",
         "cross_entropy_grad_block_per_row",
         "cross_entropy_grad_row_targets",  # after block_per_row: a record picks it, untimed on the GPU
+        "cross_entropy_grad_row_in_shared_targets",  # the same, row_in_shared's row kernel
         "cross_entropy_grad_from_lse_warp_per_row",
         "cross_entropy_grad_from_lse_block_per_row",
     ],

@@ -1,10 +1,11 @@
-"""cross_entropy_grad_row_targets: the fused gradient of a small batch in one launch,
-every row block summing the mean's denominator over the targets itself, the first bad
-row and the denominator written by the batch stage (``fused_row_targets``).
+"""cross_entropy_grad_row_targets and cross_entropy_grad_row_in_shared_targets: the fused
+gradient of a small batch in one launch, every row block summing the mean's denominator
+over the targets itself, the first bad row and the denominator written by the batch
+stage (``fused_row_targets``), on block_per_row's and row_in_shared's row kernels.
 
 CPU: where the candidate applies and that dispatch leaves it to the tuner; the
 decomposition is in ``test_cross_entropy_grad``'s unscheduled test (every option,
-float64 reference); the generated CUDA (one kernel where ``block_per_row`` has two,
+float64 reference); the generated CUDA (one kernel where the base candidate has two,
 the targets read in the row kernel before any gradient store, ``denom`` and
 ``first_bad_row`` stored only in the last block's stage), the PTX (16-byte loads,
 shuffles, no spills), sampled knobs. GPU: the kernel on torch tensors with poisoned
@@ -26,36 +27,48 @@ from tvm_fusion.kernel import build_kernel
 
 torch = torch_or_none()
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
-NAME = "cross_entropy_grad_row_targets"
-CANDIDATE = registry.get(NAME)
+# each one-launch candidate and the candidate whose row kernel it keeps
+BASES = {"cross_entropy_grad_row_targets": "cross_entropy_grad_block_per_row",
+         "cross_entropy_grad_row_in_shared_targets": "cross_entropy_grad_row_in_shared"}
 
 
 def problem(shape, dtype="float16", **options):
     return cross_entropy_grad_problem(shape, dtype, mode="fused", **options)
 
 
+@pytest.mark.parametrize("name", BASES)
 @pytest.mark.parametrize("shape, options, applies", [
     ((128, 32000), {}, True),
     ((1024, 1000), {"reduction": "sum", "label_smoothing": 0.1}, True),
-    ((1, 151936), {"weight_shape": (151936,)}, True),
     ((1025, 32000), {}, False),  # past MAX_BATCH
     ((128, 32000), {"reduction": "none"}, False),  # no batch stage to carry the first bad row
     ((128, 32000), {"in_place": True}, False),
 ])
-def test_where_it_applies(shape, options, applies):
-    assert CANDIDATE.applies(problem(shape, **options)) is applies
+def test_where_it_applies(name, shape, options, applies):
+    assert registry.get(name).applies(problem(shape, **options)) is applies
 
 
-def test_dispatch_leaves_it_to_a_record():
-    """Untimed on the GPU: dispatch order puts it after block_per_row, which prefers all."""
-    assert choose(problem((128, 32000)), CUDA).candidate != NAME
+@pytest.mark.parametrize("name, applies", [("cross_entropy_grad_row_targets", True),
+                                           ("cross_entropy_grad_row_in_shared_targets", False)])
+def test_a_row_past_shared_memory(name, applies):
+    """row_in_shared's rows fit shared memory beside a second block (112 KB): 151936 fp16
+    does not."""
+    assert registry.get(name).applies(problem((1, 151936), weight_shape=(151936,))) is applies
 
 
+@pytest.mark.parametrize("name", BASES)
+@pytest.mark.parametrize("shape", [(128, 32000), (512, 32000)])
+def test_dispatch_leaves_it_to_a_record(name, shape):
+    """Untimed on the GPU: dispatch order puts it after its base candidate."""
+    assert choose(problem(shape), CUDA).candidate != name
+
+
+@pytest.mark.parametrize("name", BASES)
 @pytest.mark.parametrize("options", [{}, {"reduction": "sum"}, {"weight_shape": (32000,), "label_smoothing": 0.1}])
-def test_one_kernel_where_block_per_row_has_two(options):
+def test_one_kernel_where_the_base_has_two(name, options):
     p = problem((128, 32000), **options)
-    ours = build_kernel(p, CUDA, NAME)
-    theirs = build_kernel(p, CUDA, "cross_entropy_grad_block_per_row")
+    ours = build_kernel(p, CUDA, name)
+    theirs = build_kernel(p, CUDA, BASES[name])
     assert ours.launches() == 1 and theirs.launches() == 2, (ours.launches(), theirs.launches())
     body = ours.device_source().split('extern "C" __global__')[-1]  # the definition, after its declaration
     rows, last_block = body.split("__threadfence();", 1)
@@ -71,16 +84,18 @@ def test_one_kernel_where_block_per_row_has_two(options):
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="needs nvcc")
+@pytest.mark.parametrize("name", BASES)
 @pytest.mark.parametrize("shape, dtype", [((128, 32000), "float16"), ((1024, 1000), "bfloat16"),
-                                          ((3, 50000), "float32")])
-def test_ptx_vector_loads_shuffles_no_spills(shape, dtype):
-    check_ptx_vector_loads_shuffles_no_spills(build_kernel(problem(shape, dtype), CUDA, NAME))
+                                          ((3, 20000), "float32")])
+def test_ptx_vector_loads_shuffles_no_spills(name, shape, dtype):
+    check_ptx_vector_loads_shuffles_no_spills(build_kernel(problem(shape, dtype), CUDA, name))
 
 
-def test_sampled_knobs_build_one_kernel():
+@pytest.mark.parametrize("name", BASES)
+def test_sampled_knobs_build_one_kernel(name):
     p = problem((200, 32000), "bfloat16", label_smoothing=0.1)
-    for knobs in default_and_sampled(CANDIDATE, p, CUDA, 4):
-        assert build_kernel(p, CUDA, NAME, knobs).launches() == 1, knobs
+    for knobs in default_and_sampled(registry.get(name), p, CUDA, 4):
+        assert build_kernel(p, CUDA, name, knobs).launches() == 1, knobs
 
 
 # -- on the GPU ---------------------------------------------------------------------------
@@ -90,18 +105,22 @@ GPU_CASES = [((128, 32000), {}), ((1024, 2000), {"weight": True, "label_smoothin
 
 
 def gpu_params():
-    for shape, options in GPU_CASES:
-        for dtype in ("float16", "bfloat16", "float32"):
-            p = gpu_problem(shape, options, dtype, "fused")
-            for knobs in default_and_sampled(CANDIDATE, p, CUDA, 2 if dtype == "bfloat16" else 0):
-                yield pytest.param(shape, tuple(sorted(options.items())), dtype, knobs,
-                                   id=f"{p.key()}-{knobs}{'-all_ignored' if 'all_ignored' in options else ''}")
+    for name in BASES:
+        candidate = registry.get(name)
+        for shape, options in GPU_CASES:
+            for dtype in ("float16", "bfloat16", "float32"):
+                p = gpu_problem(shape, options, dtype, "fused")
+                if not candidate.applies(p):  # row_in_shared: rows past 112 KB
+                    continue
+                for knobs in default_and_sampled(candidate, p, CUDA, 2 if dtype == "bfloat16" else 0):
+                    yield pytest.param(name, shape, tuple(sorted(options.items())), dtype, knobs,
+                                       id=f"{name[19:]}-{p.key()}-{knobs}{'-all_ignored' if 'all_ignored' in options else ''}")
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
-@pytest.mark.parametrize("shape, options, dtype, knobs", list(gpu_params()))
-def test_on_gpu_against_float64(shape, options, dtype, knobs):
+@pytest.mark.parametrize("name, shape, options, dtype, knobs", list(gpu_params()))
+def test_on_gpu_against_float64(name, shape, options, dtype, knobs):
     options = dict(options)
     p = gpu_problem(shape, options, dtype, "fused")
-    check_on_device(p, options, build_kernel(p, targets.resolve("cuda"), NAME, knobs), "cuda")
+    check_on_device(p, options, build_kernel(p, targets.resolve("cuda"), name, knobs), "cuda")

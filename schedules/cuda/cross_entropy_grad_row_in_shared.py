@@ -39,7 +39,7 @@ from tvm_fusion.registry import Candidate, register
 from tvm_fusion.targets import sm_count
 
 from ..common import (
-    coefficients_at, lanes_split, outputs_to, read_index, row_loss_name, single_thread, thread_reduce,
+    LoopRV, coefficients_at, lanes_split, outputs_to, read_index, row_loss_name, single_thread, thread_reduce,
 )
 from .common import grad_map, merge_grad_rows, reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue
 from .cross_entropy_row_in_shared import CrossEntropyRowInShared, RowInSharedKnobs
@@ -78,11 +78,13 @@ class CrossEntropyGradRowInShared(Candidate):
             knobs = RowInSharedKnobs(threads=512, vector=knobs.vector, unroll=knobs.unroll)
         return knobs
 
-    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
-        # Kernel 1: the targets pass.
-        schedule_grad_prologue(sch, problem)
-        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
+    def at_dlogits_row(self, sch, problem: CrossEntropyGradProblem, dlogits_row: LoopRV) -> None:
+        """What each row computes before its gradient: the coefficients, in registers."""
         coefficients_at(sch, problem, dlogits_row, "local")
+
+    def schedule_rows(self, sch, problem: CrossEntropyGradProblem, knobs) -> LoopRV:
+        """Kernel 2, steps 1-5; returns the row loop (bound to ``blockIdx.x``)."""
+        self.at_dlogits_row(sch, problem, sch.get_loops(sch.get_sblock("dlogits"))[0])
         # 2. The copy of the row that the statistics and the gradient read. Each
         # consumer's random variable is used again below: TVM 0.27's Trace.simplified,
         # which MetaSchedule's search replays, drops a GetSBlock whose output only a
@@ -109,5 +111,12 @@ class CrossEntropyGradRowInShared(Candidate):
         # 5. lse and the row loss on thread 0.
         for name in ("lse", loss):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
+        return row
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        # Kernel 1: the targets pass.
+        schedule_grad_prologue(sch, problem)
+        # Kernel 2: the rows.
+        self.schedule_rows(sch, problem, knobs)
         # Kernel 3: the loss.
         schedule_grad_batch_stage(sch, problem, knobs.threads)

@@ -22,9 +22,17 @@ Here there is no first kernel:
    first bad row in one pass, then ``loss``, ``denom``, ``first_bad_row``), which
    the single-launch pass runs in the row kernel's last block.
 
+Two candidates, one row kernel each (the ``RowTargets`` mixin over the base
+candidate's ``schedule_rows``): ``cross_entropy_grad_row_targets`` keeps
+``block_per_row``'s (the row swept three times, from L2 after the first);
+``cross_entropy_grad_row_in_shared_targets`` keeps ``row_in_shared``'s (the row copied
+into shared memory by ``cp.async``, every copy of a thread in flight at once, then
+read from there), for rows that fit beside a second block (112 KB). On 128 rows of
+32000 the GPU has one block per SM, so what a block has in flight sets its time.
+
 The mean and the sum (reduction "none" has no batch stage to carry the first bad
-row). Not in place. Dispatch order puts it after ``block_per_row``, so only a tuning
-record picks it until its A/B against ``block_per_row`` is measured on the GPU.
+row). Not in place. Dispatch order puts them after their base candidates, so only a tuning
+record picks them until their A/B against those is measured on the GPU.
 
 Not used: the denominator summed once, by the first block, with the others waiting on
 a flag in global memory (a block may wait on one the GPU has not scheduled: only a
@@ -45,6 +53,7 @@ from tvm_fusion.registry import register
 from ..common import outputs_to
 from .common import batch_threads, one_block_reduce
 from .cross_entropy_grad_block_per_row import CrossEntropyGradBlockPerRow
+from .cross_entropy_grad_row_in_shared import CrossEntropyGradRowInShared
 
 # Rows whose targets every row block reads: 8 KB of int64 targets, four loads a lane at
 # 256 lanes, against 64 KB and more of logits a block on the rows it is for (V = 32000
@@ -52,11 +61,13 @@ from .cross_entropy_grad_block_per_row import CrossEntropyGradBlockPerRow
 MAX_BATCH = 1024
 
 
-@register
-class CrossEntropyGradRowTargets(CrossEntropyGradBlockPerRow):
-    """block_per_row's row kernel, its knobs and space; no targets pass."""
+class RowTargets:
+    """The one-launch form of a one-block-per-row gradient candidate (mixed in before
+    it): no targets pass, each row block sums the denominator (step 2), the batch
+    stage writes what the targets pass wrote. The candidate gives ``schedule_rows``
+    (its row kernel; returns the row loop) and ``at_dlogits_row`` (what a row computes
+    before its gradient)."""
 
-    name = "cross_entropy_grad_row_targets"
     algorithm = "fused_row_targets"
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
@@ -70,7 +81,7 @@ class CrossEntropyGradRowTargets(CrossEntropyGradBlockPerRow):
 
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         mean = problem.reduction == "mean"
-        # 1, 3. block_per_row's row kernel: statistics, coefficients, map, per-row outputs.
+        # 1, 3. The candidate's row kernel: statistics, coefficients, map, per-row outputs.
         self.schedule_rows(sch, problem, knobs)
         # 2. The row's denominator across the block's lanes.
         if mean:
@@ -79,6 +90,21 @@ class CrossEntropyGradRowTargets(CrossEntropyGradBlockPerRow):
             sch.reorder(lane, serial)
             sch.bind(lane, "threadIdx.x")
             outputs_to(sch, row_denom, "shared")
-        # 4. The batch stage and the outputs the targets pass wrote in block_per_row.
+        # 4. The batch stage and the outputs the targets pass wrote.
         epilogues = ("loss", "first_bad_row") + (("denom",) if mean else ())
         one_block_reduce(sch, "batch", batch_threads(sch, problem.batch, knobs.threads), epilogues=epilogues)
+
+
+@register
+class CrossEntropyGradRowTargets(RowTargets, CrossEntropyGradBlockPerRow):
+    """block_per_row's row kernel, its knobs and space; no targets pass."""
+
+    name = "cross_entropy_grad_row_targets"
+
+
+@register
+class CrossEntropyGradRowInSharedTargets(RowTargets, CrossEntropyGradRowInShared):
+    """row_in_shared's row kernel (the row copied into shared memory by ``cp.async``,
+    read from HBM once), its knobs and space; no targets pass."""
+
+    name = "cross_entropy_grad_row_in_shared_targets"
