@@ -5,22 +5,25 @@ stage (``fused_row_targets``), on block_per_row's and row_in_shared's row kernel
 
 CPU: where the candidate applies and that dispatch leaves it to the tuner; the
 decomposition is in ``test_cross_entropy_grad``'s unscheduled test (every option,
-float64 reference); the generated CUDA (one kernel where the base candidate has two,
-the targets read in the row kernel before any gradient store, ``denom`` and
-``first_bad_row`` stored only in the last block's stage), the PTX (16-byte loads,
-shuffles, no spills), sampled knobs. GPU: the kernel on torch tensors with poisoned
+float64 reference) and here with bad targets; the generated CUDA (one kernel where the
+base candidate has two or three, the targets read in the row kernel before any gradient
+store, ``denom`` and ``first_bad_row`` stored only in the last block's stage), the PTX
+(16-byte loads, shuffles, no spills), sampled knobs. GPU: the kernel on torch tensors with poisoned
 outputs against torch autograd in float64, every option, default and sampled knobs
-(``test_cross_entropy_grad``'s GPU shapes take it too where it applies).
+(``test_cross_entropy_grad``'s GPU shapes take it too where it applies), and bad targets.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from helpers import default_and_sampled, has_gpu, torch_or_none
-from test_cross_entropy_grad import check_on_device, check_ptx_vector_loads_shuffles_no_spills, gpu_problem
+from helpers import assert_close, default_and_sampled, has_gpu, rng, torch_or_none
+from test_cross_entropy_grad import (case, check_on_device, check_ptx_vector_loads_shuffles_no_spills, gpu_problem,
+                                     problem_for, run_on_device, run_unscheduled)
 from tvm_fusion import registry, targets
 from tvm_fusion.codegen import nvcc_path
+from tvm_fusion.compute import prim_func
 from tvm_fusion.contracts import cross_entropy_grad_problem
 from tvm_fusion.dispatch import choose
 from tvm_fusion.kernel import build_kernel
@@ -64,17 +67,23 @@ def test_dispatch_leaves_it_to_a_record(name, shape):
 
 
 @pytest.mark.parametrize("name", BASES)
-@pytest.mark.parametrize("options", [{}, {"reduction": "sum"}, {"weight_shape": (32000,), "label_smoothing": 0.1}])
-def test_one_kernel_where_the_base_has_two(name, options):
-    p = problem((128, 32000), **options)
+@pytest.mark.parametrize("shape, options, base_launches", [
+    ((128, 32000), {}, 2), ((128, 32000), {"reduction": "sum"}, 2),
+    ((128, 32000), {"weight_shape": (32000,), "label_smoothing": 0.1}, 2),
+    # short rows take few lanes (64 at 1024x1000): more than 4 batch rows a lane, where
+    # the base's batch stage keeps a launch of its own; this one's runs on the row lanes
+    ((1024, 1000), {}, 3), ((600, 4096), {"reduction": "sum"}, 3),
+])
+def test_one_kernel_where_the_base_has_more(name, shape, options, base_launches):
+    p = problem(shape, **options)
     ours = build_kernel(p, CUDA, name)
     theirs = build_kernel(p, CUDA, BASES[name])
-    assert ours.launches() == 1 and theirs.launches() == 2, (ours.launches(), theirs.launches())
+    assert ours.launches() == 1 and theirs.launches() == base_launches, (ours.launches(), theirs.launches())
     body = ours.device_source().split('extern "C" __global__')[-1]  # the definition, after its declaration
     rows, last_block = body.split("__threadfence();", 1)
     # The row part reads the targets (the denominator, the row's own target) and stores
     # the gradient; the outputs of the old targets pass come only from the last block.
-    assert "target_ptr[((int)threadIdx.x)]" in rows or "reduction" in options
+    assert "target_ptr[((int)threadIdx.x)]" in rows or "reduction" in options or shape != (128, 32000)
     assert "dlogits_ptr" in rows and "launch_ticket" in last_block
     for output in ("first_bad_row_ptr[0] =",) + (("denom_ptr[0] =",) if "reduction" not in options else ()):
         assert output not in rows and output in last_block, output
@@ -92,10 +101,37 @@ def test_ptx_vector_loads_shuffles_no_spills(name, shape, dtype):
 
 
 @pytest.mark.parametrize("name", BASES)
-def test_sampled_knobs_build_one_kernel(name):
-    p = problem((200, 32000), "bfloat16", label_smoothing=0.1)
+@pytest.mark.parametrize("shape", [(200, 32000), (1024, 2000)])
+def test_sampled_knobs_build_one_kernel(name, shape):
+    p = problem(shape, "bfloat16", label_smoothing=0.1)
     for knobs in default_and_sampled(registry.get(name), p, CUDA, 4):
         assert build_kernel(p, CUDA, name, knobs).launches() == 1, knobs
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_bad_targets_unscheduled(reduction):
+    """The decomposition these candidates compute, on the CPU unscheduled, with a target
+    past the classes and a negative one other than ignore_index: ``first_bad_row``
+    names the first, both rows' gradients and losses are zero, and the other rows'
+    are float64 torch's with the bad rows ignored."""
+    if torch is None:
+        pytest.skip("torch not installed")
+    gen = rng()
+    logits, target, _ = case(gen, 9, 37, ignored=0.0)
+    target[3], target[6], target[1] = 37, -5, -100
+    p = problem_for(logits, target, None, reduction, 0.1, "fused")
+    outs = run_unscheduled(prim_func(p, "fused_row_targets"), [logits, target])
+    assert outs["first_bad_row"][0] == 3
+    assert (outs["dlogits"][[1, 3, 6]] == 0).all() and np.isfinite(outs["dlogits"]).all()
+    ignored = torch.from_numpy(target).clone()
+    ignored[[3, 6]] = -100
+    x = torch.from_numpy(logits).double().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(x, ignored, reduction=reduction, label_smoothing=0.1)
+    (want,) = torch.autograd.grad(loss, x)
+    assert_close(outs["dlogits"], want.numpy(), 1e-5, 1e-6 * float(want.abs().max()), "dlogits")
+    assert_close(outs["loss"].reshape(()), loss.detach().numpy(), 2e-5, 2e-5, "loss")
+    if reduction == "mean":
+        assert outs["denom"][0] == 6
 
 
 # -- on the GPU ---------------------------------------------------------------------------
@@ -124,3 +160,34 @@ def test_on_gpu_against_float64(name, shape, options, dtype, knobs):
     options = dict(options)
     p = gpu_problem(shape, options, dtype, "fused")
     check_on_device(p, options, build_kernel(p, targets.resolve("cuda"), name, knobs), "cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("name", BASES)
+@pytest.mark.parametrize("shape, reduction", [((128, 32000), "mean"), ((1000, 2000), "sum"), ((1024, 1000), "mean")])
+def test_on_gpu_bad_targets(name, shape, reduction):
+    """A target past the classes and a negative one other than ignore_index, with
+    poisoned outputs: ``first_bad_row`` names the first, both rows' gradients are zero,
+    the rest is float64 torch's gradient with those rows ignored."""
+    batch, classes = shape
+    p = problem(shape, "float32", reduction=reduction)
+    kernel = build_kernel(p, targets.resolve("cuda"), name)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    logits = torch.randn(shape, device="cuda", generator=gen) * 2
+    target = torch.randint(0, classes, (batch,), device="cuda", generator=gen)
+    bad = [batch // 3, batch // 2]
+    target[bad[0]], target[bad[1]] = classes, -5
+    outs = run_on_device(kernel, [logits, target], "cuda")
+    assert outs["first_bad_row"].item() == bad[0]
+    assert bool((outs["dlogits"][bad] == 0).all())
+    ignored = target.clone()
+    ignored[bad] = -100
+    x = logits.double().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(x, ignored, reduction=reduction)
+    (want,) = torch.autograd.grad(loss, x)
+    worst = float((outs["dlogits"].double() - want).abs().max())
+    assert worst <= 1e-5 * float(want.abs().max()), worst
+    assert abs(outs["loss"].item() - loss.item()) <= 1e-5 * abs(loss.item())
+    if reduction == "mean":
+        assert outs["denom"].item() == batch - 2

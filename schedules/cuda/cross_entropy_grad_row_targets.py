@@ -9,7 +9,7 @@ row's scale needs the denominator before it stores a gradient), then the row ker
 On a small batch that first kernel is a launch and a DRAM round trip in front of the
 rows: the H200's "launch parts" probe (results/benchmarks.csv, 2026-12-06T20:22Z)
 timed 128x32000 fp16 at 0.0151 ms as built and 0.0132 with the small kernels'
-bodies emptied, against Quack's 0.014 anchor for the step.
+bodies emptied: an eighth of the kernel time is the small launches.
 
 Here there is no first kernel:
 1. One block per row (``blockIdx.x``), the row loop of ``block_per_row``.
@@ -18,9 +18,10 @@ Here there is no first kernel:
    the block; thread 0 keeps the sum in shared memory, behind a barrier. The same
    value in every block, so the rows' scales agree.
 3. The statistics, coefficients and ``dlogits`` as ``block_per_row``.
-4. The batch stage (one block: the sum of the row losses, the denominator and the
-   first bad row in one pass, then ``loss``, ``denom``, ``first_bad_row``), which
-   the single-launch pass runs in the row kernel's last block.
+4. The batch stage (one block on the row kernel's lanes, whatever the batch: the sum
+   of the row losses, the denominator and the first bad row in one pass, then
+   ``loss``, ``denom``, ``first_bad_row``), which the single-launch pass runs in the
+   row kernel's last block.
 
 Two candidates, one row kernel each (the ``RowTargets`` mixin over the base
 candidate's ``schedule_rows``): ``cross_entropy_grad_row_targets`` keeps
@@ -50,8 +51,8 @@ from __future__ import annotations
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import register
 
-from ..common import outputs_to
-from .common import batch_threads, one_block_reduce
+from ..common import lane_steps, outputs_to
+from .common import one_block_reduce
 from .cross_entropy_grad_block_per_row import CrossEntropyGradBlockPerRow
 from .cross_entropy_grad_row_in_shared import CrossEntropyGradRowInShared
 
@@ -86,13 +87,13 @@ class RowTargets:
         # 2. The row's denominator across the block's lanes.
         if mean:
             row_denom = sch.get_sblock("row_denom")
-            serial, lane = sch.split(sch.get_loops(row_denom)[-1], [None, knobs.threads])
-            sch.reorder(lane, serial)
-            sch.bind(lane, "threadIdx.x")
+            lane_steps(sch, sch.get_loops(row_denom)[-1], knobs.threads)
             outputs_to(sch, row_denom, "shared")
-        # 4. The batch stage and the outputs the targets pass wrote.
+        # 4. The batch stage and the outputs the targets pass wrote, on the row kernel's
+        # lanes whatever the batch (at most MAX_BATCH rows: 8 a lane at 128 lanes), so that
+        # single_launch always runs it in the row kernel's last block.
         epilogues = ("loss", "first_bad_row") + (("denom",) if mean else ())
-        one_block_reduce(sch, "batch", batch_threads(sch, problem.batch, knobs.threads), epilogues=epilogues)
+        one_block_reduce(sch, "batch", knobs.threads, epilogues=epilogues)
 
 
 @register
