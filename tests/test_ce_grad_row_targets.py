@@ -3,7 +3,7 @@ gradient of a small batch in one launch, every row block summing the mean's deno
 over the targets itself, the first bad row and the denominator written by the batch
 stage (``fused_row_targets``), on block_per_row's and row_in_shared's row kernels.
 
-CPU: where the candidate applies and that dispatch leaves it to the tuner; the
+CPU: where the candidate applies and that dispatch takes it where it took its base; the
 decomposition is in ``test_cross_entropy_grad``'s unscheduled test (every option,
 float64 reference) and here with bad targets; the generated CUDA (one kernel where the
 base candidate has two or three, the targets read in the row kernel before any gradient
@@ -59,11 +59,29 @@ def test_a_row_past_shared_memory(name, applies):
     assert registry.get(name).applies(problem((1, 151936), weight_shape=(151936,))) is applies
 
 
+@pytest.mark.parametrize("shape, dtype, picked, source", [
+    ((128, 32000), "float16", "cross_entropy_grad_row_targets", "record (one-launch twin)"),  # the shipped record's twin
+    ((64, 32000), "bfloat16", "cross_entropy_grad_row_targets", "heuristic"),
+    ((512, 32000), "bfloat16", "cross_entropy_grad_row_in_shared_targets", "heuristic"),
+    ((1024, 32000), "float16", "cross_entropy_grad_row_in_shared_targets", "heuristic"),
+])
+def test_dispatch_takes_the_twin_where_it_took_the_base(shape, dtype, picked, source):
+    choice = choose(problem(shape, dtype), CUDA)
+    assert (choice.candidate, choice.source) == (picked, source), choice
+    assert registry.get(picked).twin_of in choice.reason or source == "heuristic"
+
+
+@pytest.mark.parametrize("shape, options", [((2048, 32000), {}), ((512, 32000), {"reduction": "none"}),
+                                            ((512, 32000), {"in_place": True})])
+def test_dispatch_keeps_the_base_where_no_twin_applies(shape, options):
+    assert choose(problem(shape, **options), CUDA).candidate == "cross_entropy_grad_row_in_shared"
+
+
 @pytest.mark.parametrize("name", BASES)
-@pytest.mark.parametrize("shape", [(128, 32000), (512, 32000)])
-def test_dispatch_leaves_it_to_a_record(name, shape):
-    """Untimed on the GPU: dispatch order puts it after its base candidate."""
-    assert choose(problem(shape), CUDA).candidate != name
+def test_each_is_its_base_s_twin(name):
+    assert registry.get(name).twin_of == BASES[name]
+    assert registry.one_launch_twin(BASES[name], problem((128, 32000)), CUDA).name == name
+    assert registry.one_launch_twin(BASES[name], problem((2048, 32000)), CUDA) is None
 
 
 @pytest.mark.parametrize("name", BASES)

@@ -32,8 +32,27 @@ read from there), for rows that fit beside a second block (112 KB). On 128 rows 
 32000 the GPU has one block per SM, so what a block has in flight sets its time.
 
 The mean and the sum (reduction "none" has no batch stage to carry the first bad
-row). Not in place. Dispatch order puts them after their base candidates, so only a tuning
-record picks them until their A/B against those is measured on the GPU.
+row). Not in place. Each is its base candidate's one-launch twin (``twin_of``): dispatch
+order puts it first, and a tuning record of the base takes the twin at the record's
+knobs (``dispatch._twin``). Measured on an H100 (rows "probe: row targets A/B",
+2026-12-07T07:45Z, kernels under graph replay, each checked against float64 first, us):
+
+===================  ==============  ===========  ===============  ==============  ===========
+shape                block_per_row   row_targets  row_in_shared    row_in_shared   dispatch
+                                                                   _targets        before
+===================  ==============  ===========  ===============  ==============  ===========
+128x32000 fp16       14.74           13.61        15.88            14.15           14.73
+64x32000 bf16        19.49           17.56        13.51            11.83           19.47
+1x32000 fp16         9.41            8.05         8.66             6.97            9.42
+512x32000 bf16       48.11           46.09        33.59            31.54           33.59
+1024x32000 fp16      94.74           92.24        56.49            54.26           56.27
+200x1000 fp16        7.66            6.50         7.62             6.91            6.65
+===================  ==============  ===========  ===============  ==============  ===========
+
+One launch fewer is 0.7-2.5 us on every shape. ``row_in_shared``'s preference leaves
+batches of fewer rows than SMs to ``block_per_row``, where on 64x32000 bf16 and 1x32000
+its twin was the fastest (11.83 us against 17.56): a lead, not yet a rule (on 128x32000
+fp16 it was not).
 
 Not used: the denominator summed once, by the first block, with the others waiting on
 a flag in global memory (a block may wait on one the GPU has not scheduled: only a
@@ -101,6 +120,7 @@ class CrossEntropyGradRowTargets(RowTargets, CrossEntropyGradBlockPerRow):
     """block_per_row's row kernel, its knobs and space; no targets pass."""
 
     name = "cross_entropy_grad_row_targets"
+    twin_of = "cross_entropy_grad_block_per_row"
 
 
 @register
@@ -109,3 +129,4 @@ class CrossEntropyGradRowInSharedTargets(RowTargets, CrossEntropyGradRowInShared
     read from HBM once), its knobs and space; no targets pass."""
 
     name = "cross_entropy_grad_row_in_shared_targets"
+    twin_of = "cross_entropy_grad_row_in_shared"
