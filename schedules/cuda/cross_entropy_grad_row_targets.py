@@ -50,9 +50,9 @@ shape                block_per_row   row_targets  row_in_shared    row_in_shared
 ===================  ==============  ===========  ===============  ==============  ===========
 
 One launch fewer is 0.7-2.5 us on every shape. ``row_in_shared``'s preference leaves
-batches of fewer rows than SMs to ``block_per_row``, where on 64x32000 bf16 and 1x32000
-its twin was the fastest (11.83 us against 17.56): a lead, not yet a rule (on 128x32000
-fp16 it was not).
+batches of fewer than twice the SMs' rows to ``block_per_row``, where on 64x32000 bf16
+and 1x32000 ``row_in_shared``'s twin was the fastest (11.83 us against
+``row_targets``' 17.56): a lead, not yet a rule (on 128x32000 fp16 it was not).
 
 Not used: the denominator summed once, by the first block, with the others waiting on
 a flag in global memory (a block may wait on one the GPU has not scheduled: only a
