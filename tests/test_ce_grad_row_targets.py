@@ -8,9 +8,10 @@ decomposition is in ``test_cross_entropy_grad``'s unscheduled test (every option
 float64 reference) and here with bad targets; the generated CUDA (one kernel where the
 base candidate has two or three, the targets read in the row kernel before any gradient
 store, ``denom`` and ``first_bad_row`` stored only in the last block's stage), the PTX
-(16-byte loads, shuffles, no spills), sampled knobs. GPU: the kernel on torch tensors with poisoned
-outputs against torch autograd in float64, every option, default and sampled knobs
-(``test_cross_entropy_grad``'s GPU shapes take it too where it applies), and bad targets.
+(16-byte loads, shuffles, no spills), sampled knobs. GPU: the kernel on torch tensors
+with poisoned outputs against torch autograd in float64, every option, default and
+sampled knobs (``test_cross_entropy_grad``'s GPU shapes take it too where it applies),
+and bad targets.
 """
 
 from __future__ import annotations

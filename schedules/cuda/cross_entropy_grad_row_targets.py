@@ -109,7 +109,7 @@ class RowTargets:
             lane_steps(sch, sch.get_loops(row_denom)[-1], knobs.threads)
             outputs_to(sch, row_denom, "shared")
         # 4. The batch stage and the outputs the targets pass wrote, on the row kernel's
-        # lanes whatever the batch (at most MAX_BATCH rows: 8 a lane at 128 lanes), so that
+        # lanes whatever the batch (at most MAX_BATCH rows: 16 a lane at 64 lanes), so that
         # single_launch always runs it in the row kernel's last block.
         epilogues = ("loss", "first_bad_row") + (("denom",) if mean else ())
         one_block_reduce(sch, "batch", knobs.threads, epilogues=epilogues)
