@@ -131,3 +131,56 @@ def test_a_mark_on_a_thread_loop_is_refused():
     sch.bind(loop, "threadIdx.x")
     with pytest.raises(ValueError, match="marks a serial copy loop"):
         async_copy.mark(sch, loop)
+
+
+def copy_source_offsets(source: str) -> list[str]:
+    """The source offset (fourth argument) of each cp.async helper call in ``source``."""
+    offsets = []
+    for line in source.splitlines():
+        line = line.strip()
+        if not line.startswith(CALL):
+            continue
+        args, depth, start = [], 0, line.index("(") + 1
+        for i, ch in enumerate(line[start:], start):
+            if ch in "([":
+                depth += 1
+            elif ch in ")]":
+                if depth == 0:
+                    args.append(line[start:i].strip())
+                    break
+                depth -= 1
+            elif ch == "," and depth == 0:
+                args.append(line[start:i].strip())
+                start = i + 1
+        offsets.append(args[3])
+    return offsets
+
+
+def big_cases():
+    """Each cross entropy candidate that copies asynchronously, on 32768 x 151936 bf16
+    (5e9 elements: 64-bit offsets); the forward and the gradient."""
+    from tvm_fusion import registry
+
+    for op in ("cross_entropy", "cross_entropy_grad"):
+        problem = tf.make_problem(op, (32768, 151936), "bfloat16")
+        for cand in registry.applicable(problem, CUDA):
+            yield pytest.param(problem, cand.name, id=f"{op}-{cand.name}")
+
+
+@pytest.mark.parametrize("problem, candidate", list(big_cases()))
+def test_copies_past_two_to_the_31_elements_pass_their_source_already_offset(problem, candidate):
+    """TVM's cp.async helper takes its source offset as a C ``int``: a 64-bit offset
+    would be truncated (an illegal address on an H100, row_in_cluster on this shape).
+    Every copy gets ``&src[offset]`` and an offset of 0 instead."""
+    source = build_kernel(problem, CUDA, candidate).device_source()
+    if CALL not in source:
+        pytest.skip(f"{candidate} copies synchronously on this shape")
+    offsets = copy_source_offsets(source)
+    assert offsets and offsets == ["0"] * len(offsets), offsets[:3]
+    assert "(&(" in source
+
+
+def test_copies_with_32_bit_offsets_are_printed_as_tvm_prints_them():
+    problem, candidate = CASES[0]  # 4096 x 32000: 32-bit offsets
+    offsets = copy_source_offsets(build_kernel(problem, CUDA, candidate).device_source())
+    assert offsets and all(o != "0" and "int64_t" not in o for o in offsets), offsets[:3]

@@ -161,9 +161,11 @@ def test_pairs_merge_from_the_last_launch_and_never_overlap(blocks, tickets):
 
 
 # (shape, dtype, options, launches): the gradient's calls whose launches merge in pairs
-# (65536 rows: both two-level stages, five launches to three; 128 rows: the loss into
-# the row kernel, three to two).
-GRAD_MERGED = [((65536, 1000), "float16", {"reduction": "sum"}, 3), ((128, 32000), "bfloat16", {}, 2),
+# (65536 rows: both two-level stages, five launches to three; 128 rows in place: the
+# loss into block_per_row's row kernel, three to two), and 128 rows not in place, whose
+# one-launch twin (row_targets) dispatch now picks.
+GRAD_MERGED = [((65536, 1000), "float16", {"reduction": "sum"}, 3),
+               ((128, 32000), "bfloat16", {"inplace_backward": True}, 2), ((128, 32000), "bfloat16", {}, 1),
                ((65536, 1000), "float32", {"label_smoothing": 0.1, "inplace_backward": True}, 3)]
 
 

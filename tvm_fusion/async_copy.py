@@ -32,6 +32,14 @@ of x and dy), and TVM's ``InjectPTXAsyncCopy`` then rewrites the copies inside. 
 of other widths than cp.async's 4, 8 or 16 bytes a lane (2-byte scalars of a row off the
 16-byte grid) stays synchronous, its mark dropped; a marked loop with no global-to-shared
 copy, or one left synchronous after the rewrite, is an error.
+
+Past 2^31 elements: TVM 0.27 prints each copy as a call to a helper that takes the
+source's element offset as a C ``int`` (``ptx_cp_async_legacy_cg_16_2_2(void* dst, int
+dst_off, void* src, int src_off)``), so a 64-bit offset is truncated and the copy reads
+far outside the input (an illegal address on an H100, 2026-12-07, row_in_cluster on
+32768x151936 bf16). :func:`inject` therefore hands such a copy its source already
+offset, ``&src[offset]`` in 64-bit arithmetic, with an offset of 0
+(:func:`_offset_source`); a copy whose offsets are 32-bit is printed as TVM prints it.
 """
 
 from __future__ import annotations
@@ -157,6 +165,55 @@ def _check(stmt: tirx.Stmt, name: str) -> None:
     """Raise where an async scope still holds a synchronous copy."""
     if any(_copies(scope.body) for scope in collect(stmt, _attr(SCOPE))):
         raise ValueError(f"async_copy: a marked copy in {name} stayed synchronous")
+
+
+RAW_COPY = "tirx.s_tir.cp_async_raw"  # the op InjectPTXAsyncCopy emits
+
+
+def _raw_copy(stmt: tirx.Stmt) -> tvm.ir.Call | None:
+    if isinstance(stmt, tirx.Evaluate) and isinstance(stmt.value, tvm.ir.Call) \
+            and isinstance(stmt.value.op, tvm.ir.Op) and stmt.value.op.name == RAW_COPY:
+        return stmt.value
+    return None
+
+
+def _wide(call: tvm.ir.Call) -> bool:
+    """Whether a raw copy's source offset is 64-bit (truncated by TVM's helper)."""
+    return str(call.args[3].ty) == "int64"
+
+
+def _offset_source(stmt: tirx.Stmt) -> tirx.Stmt:
+    """``stmt`` with each raw copy of a 64-bit source offset given ``&src[offset]`` and
+    an offset of 0 (module docstring)."""
+    call = _raw_copy(stmt)
+    if call is None:
+        return map_children(stmt, _offset_source)
+    if not _wide(call):
+        return stmt
+    dst, dst_offset, src, src_offset, *rest = call.args
+    from tvm.backend.cuda.op import tvm_access_ptr
+    source = tvm_access_ptr(str(src.ty.element_type.dtype), src, src_offset, 1, 1)  # read
+    return tirx.Evaluate(tvm.ir.Call(call.op, [dst, dst_offset, source, tirx.IntImm("int32", 0), *rest],
+                                     ret_ty=call.ty))
+
+
+def wide_sources(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` (lowered: its copies ``cp.async``, by :func:`inject` or by TVM's software
+    pipeline) with each copy of a 64-bit source offset given its source already offset
+    (module docstring). Raises where a copy sits where the rewrite cannot reach it."""
+    for gvar, func in list(mod.functions.items()):
+        if not isinstance(func, tirx.PrimFunc):
+            continue
+        copies = func.script().count("cp_async_raw(")
+        if not copies:
+            continue
+        func = func.with_body(_offset_source(func.body))
+        found = collect(func.body, _raw_copy)
+        if len(found) != copies or any(_wide(call) for call in found):
+            raise ValueError(f"async_copy: {gvar.name_hint} has {copies} cp.async copies, "
+                             f"{len(found)} of them where the 64-bit offset rewrite reaches")
+        mod[gvar] = func
+    return mod
 
 
 def inject(mod: tvm.IRModule) -> tvm.IRModule:

@@ -196,7 +196,8 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
     const loops where a function asks for it (the
     :data:`~tvm_fusion.compute.PARTITION_LIKELY_ATTR` attribute of the decompositions in
     :data:`~tvm_fusion.compute.PARTITION_LIKELY`), and pipelined rounds lowered as
-    :mod:`tvm_fusion.async_rounds` says where one asks for that; then the large gradient
+    :mod:`tvm_fusion.async_rounds` says where one asks for that, their ``cp.async``
+    copies' 64-bit offsets folded into the source (``async_copy.wide_sources``); then the large gradient
     stores made evict-first (:mod:`tvm_fusion.store_hints`)."""
     config, disabled = dict(ctx.config), [*ctx.disabled_pass, *TAIL]
     config.setdefault(UNROLL_CONFIG, {"auto_max_step": NO_AUTO_UNROLL})
@@ -220,7 +221,7 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
             # Marked copies of cp.async's widths: lowered again as InjectPTXAsyncCopy takes them.
             out = through(async_copy.lowering_config(config))
         out = async_copy.inject(out)
-    mod = out
+    mod = async_copy.wide_sources(out)
     return store_hints.evict_first_stores(marked_loops(mod))
 
 
