@@ -55,6 +55,7 @@ from .cuda import (  # noqa: F401
     cross_entropy_grad_online,
     cross_entropy_grad_row_in_cluster,
     cross_entropy_grad_row_in_shared,
+    cross_entropy_grad_row_targets,
     cross_entropy_grad_warp_per_row,
     cross_entropy_grad_warp_per_row_padded,
     cross_entropy_grad_window_in_shared,
@@ -89,11 +90,15 @@ DISPATCH_ORDER = {
         "cross_entropy_grad_granules_in_shared",
         "cross_entropy_grad_window_in_shared",
         "cross_entropy_grad_warp_per_row_padded",
+        # each one-launch twin before its base: the same row kernel, prefers the same
+        # shapes, a launch fewer (applies to batches of at most 1024 rows, mean and sum)
+        "cross_entropy_grad_row_in_shared_targets",
         "cross_entropy_grad_row_in_shared",
         "cross_entropy_grad_warp_per_row",
         "cross_entropy_grad_row_in_cluster",
         "cross_entropy_grad_head_in_shared",
         "cross_entropy_grad_online",
+        "cross_entropy_grad_row_targets",
         "cross_entropy_grad_block_per_row",
         "cross_entropy_grad_from_lse_warp_per_row",
         "cross_entropy_grad_from_lse_block_per_row",

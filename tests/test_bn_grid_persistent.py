@@ -93,10 +93,12 @@ def check_barrier(kernel, partials: str, parts: int) -> tuple[str, int]:
 def test_cuda_source_has_the_barrier_between_the_partials_and_their_combine(shape, dtype, parts):
     kernel = build_kernel(problem(shape, dtype), CUDA, NAME)
     persistent, _ = check_barrier(kernel, "part_moments", parts)
-    # x comes in once, through the shared copy, 16 bytes a load where the vector allows.
-    assert persistent.count("x_shared_dyn_ptr[") >= 3
-    if kernel.knobs.vector * DTYPE_BYTES[dtype] == 16:
-        assert re.search(r"x_shared_dyn_ptr\[[^\]]*\] = \*\((uint4|float4)\*\)\(x_ptr", persistent)
+    # x comes in once, through the shared copy, a vector a lane as cp.async (tvm_fusion.async_copy)
+    # where the vector is 4, 8 or 16 bytes, waited for before the barrier.
+    assert persistent.count("x_shared_dyn_ptr") >= 3
+    if kernel.knobs.vector * DTYPE_BYTES[dtype] in (4, 8, 16):
+        assert re.search(r"ptx_cp_async_legacy_cg_\d+_\d+_\d+\(x_shared_dyn_ptr, [^;]*x_ptr, ", persistent)
+        assert "wait_all();" in persistent
     # The per-channel outputs come from the second kernel, once a channel.
     assert "running_mean_out_ptr" not in persistent and "save_mean_ptr" not in persistent
 

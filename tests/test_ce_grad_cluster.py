@@ -55,6 +55,16 @@ def test_parts_are_the_fewest_equal_whole_chunks_that_fit(classes, dtype, parts)
     assert row_parts(grad_problem((4, classes), dtype)) == parts
 
 
+@pytest.mark.parametrize("shape, dtype, parts", [
+    ((128, 32000), "float16", 4), ((64, 32000), "bfloat16", 8),  # the fewest that give 512 blocks
+    ((200, 1000), "float16", 5),  # 125 chunks: 5 parts of 25 cut them equally, no fewer do
+    ((4, 4096), "float32", 8),    # never 512 blocks: the most parts
+    ((4096, 32000), "float16", 2), ((256, 32000), "float16", 2),  # enough rows: the fewest parts
+])
+def test_short_rows_are_cut_to_spread_a_few_rows_over_the_gpu(shape, dtype, parts):
+    assert row_parts(grad_problem(shape, dtype)) == parts
+
+
 @pytest.mark.parametrize("classes, dtype", [(50257, "bfloat16"), (4000000, "float32"), (38, "float32")])
 def test_parts_name_a_row_they_cannot_cut(classes, dtype):
     with pytest.raises(ValueError, match="fused_parts cuts a row into 2 to 8 equal parts"):
@@ -65,6 +75,8 @@ def test_parts_name_a_row_they_cannot_cut(classes, dtype):
     ((8192, 128256), "bfloat16", {}, True),
     ((16, 32000), "float32", {"weight": True, "label_smoothing": 0.1}, True),  # 125 KB
     ((4096, 32000), "float16", {}, False),      # 62.5 KB: one block's shared memory holds the row
+    ((128, 32000), "float16", {}, True),        # ... but 128 rows leave SMs idle: the rows cut to spread them
+    ((256, 32000), "float16", {}, False),       # 256 rows: two parts a row would be all it adds
     ((16384, 50257), "bfloat16", {}, False),    # odd V: no equal parts of whole chunks
     ((8192, 128256), "bfloat16", {"in_place": True}, True),
 ])
@@ -124,7 +136,8 @@ def test_decomposition_matches_the_reference(dtype, shape, reduction, weighted, 
 # -- the generated CUDA ---------------------------------------------------------------
 CODEGEN_CASES = [((8192, 128256), "bfloat16", {}), ((16, 32000), "float32", {"weight": True, "label_smoothing": 0.1}),
                  ((64, 65536), "float16", {"reduction": "none"}), ((2048, 256000), "bfloat16", {"reduction": "sum"}),
-                 ((32768, 151936), "bfloat16", {})]  # past 2^31 elements
+                 ((32768, 151936), "bfloat16", {}),  # past 2^31 elements
+                 ((128, 32000), "float16", {}), ((200, 1000), "float16", {"weight": True})]  # short rows cut
 
 
 @pytest.mark.parametrize("shape, dtype, options", CODEGEN_CASES, ids=str)
@@ -133,9 +146,10 @@ def test_cuda_source_has_a_part_a_block_and_one_cluster_barrier(shape, dtype, op
     parts = row_parts(problem)
     source = build_kernel(problem, CUDA, NAME).device_source()
     row = row_kernel(source)
-    # The part copied into shared memory with 16-byte loads; the last step's lanes bounded by the part.
-    # (into a uint4 array of shared memory, or through a cast)
-    assert re.search(r"logits_parts_shared_dyn_ptr[ \[][^;]*= \*\((?:uint4|float4)\*\)\(logits_ptr \+", row)
+    # The part copied into shared memory 16 bytes a lane, as cp.async (tvm_fusion.async_copy)
+    # waited for before the barrier; the last step's lanes bounded by the part.
+    assert re.search(r"ptx_cp_async_legacy_cg_16_\d+_\d+\(logits_parts_shared_dyn_ptr, [^;]*logits_ptr, ", row)
+    assert "wait_all();" in row
     # One barrier (its asm clobbering memory, no fence beside it), under no condition, between the parts' pairs
     # stored and loaded back.
     assert row.count(grid_barrier.CLUSTER_SYNC_CALL) == 1 and "grid_sync" not in row
@@ -196,7 +210,7 @@ def test_the_row_kernel_alone_is_launched_in_clusters_of_its_parts():
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")
-@pytest.mark.parametrize("shape, dtype, options", CODEGEN_CASES[:3], ids=str)
+@pytest.mark.parametrize("shape, dtype, options", CODEGEN_CASES[:3] + CODEGEN_CASES[5:], ids=str)
 def test_ptx_vector_loads_shuffles_no_spills(shape, dtype, options):
     check_ptx_vector_loads_shuffles_no_spills(build_kernel(grad_problem(shape, dtype, **options), CUDA, NAME))
 
@@ -232,7 +246,9 @@ def test_tuners_build_launches_in_clusters_too():
 # -- on the GPU -----------------------------------------------------------------------
 GPU_SHAPES = [((16, 32000), "float32"), ((8, 128256), "bfloat16"), ((24, 65536), "float16"),
               ((4, 256000), "bfloat16"), ((8192, 128256), "bfloat16"), ((4096, 151936), "float16"),
-              ((256, 128256), "float32")]
+              ((256, 128256), "float32"),
+              # short rows cut to spread a batch of few rows (row_parts: P = 4, 8, 5, 8)
+              ((128, 32000), "float16"), ((64, 32000), "bfloat16"), ((200, 1000), "float16"), ((32, 4096), "float32")]
 
 
 @pytest.mark.gpu

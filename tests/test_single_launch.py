@@ -112,7 +112,11 @@ def test_the_gradients_loss_stage_runs_in_the_row_kernels_last_block():
     problem = tf.make_problem("cross_entropy_grad", (128, 32000), "float16")
     kernel = tf.build("cross_entropy_grad", (128, 32000), "float16", target=CUDA)
     assert kernel.problem == problem and kernel.counted
-    assert kernel.launches() == 2 and ticket_count(kernel.device_source()) == 1  # targets pass, then rows + loss
+    # dispatch's pick, the one-launch twin: rows (each block summing the denominator) + loss
+    assert kernel.candidate == "cross_entropy_grad_row_targets"
+    assert kernel.launches() == 1 and ticket_count(kernel.device_source()) == 1
+    base = build_kernel(problem, CUDA, "cross_entropy_grad_block_per_row", kernel.knobs)
+    assert base.launches() == 2 and ticket_count(base.device_source()) == 1  # targets pass, then rows + loss
     cpu = tf.build("cross_entropy", (128, 32000), "float16", target="llvm")
     assert not cpu.counted
     bn = tf.build("bn_forward", (8, 16, 8, 8), "float16", target=CUDA)
@@ -157,9 +161,11 @@ def test_pairs_merge_from_the_last_launch_and_never_overlap(blocks, tickets):
 
 
 # (shape, dtype, options, launches): the gradient's calls whose launches merge in pairs
-# (65536 rows: both two-level stages, five launches to three; 128 rows: the loss into
-# the row kernel, three to two).
-GRAD_MERGED = [((65536, 1000), "float16", {"reduction": "sum"}, 3), ((128, 32000), "bfloat16", {}, 2),
+# (65536 rows: both two-level stages, five launches to three; 128 rows in place: the
+# loss into block_per_row's row kernel, three to two), and 128 rows not in place, whose
+# one-launch twin (row_targets) dispatch now picks.
+GRAD_MERGED = [((65536, 1000), "float16", {"reduction": "sum"}, 3),
+               ((128, 32000), "bfloat16", {"inplace_backward": True}, 2), ((128, 32000), "bfloat16", {}, 1),
                ((65536, 1000), "float32", {"label_smoothing": 0.1, "inplace_backward": True}, 3)]
 
 

@@ -1,7 +1,8 @@
 """Reading generated CUDA without a GPU: nvcc to PTX, ptxas resource usage, instruction counts.
 
 Before spending device time, look at what a candidate compiles to: are the loads
-16 bytes wide (``ld.global.v4``), are the cross-thread steps warp shuffles
+16 bytes wide (``ld.global.v4``, or ``cp.async`` of 16 bytes straight into shared
+memory: :mod:`tvm_fusion.async_copy`), are the cross-thread steps warp shuffles
 (``shfl.sync``), are there atomics, does anything spill to local memory.
 """
 
@@ -22,7 +23,7 @@ class CudaReport:
     """What the generated code of one kernel contains."""
 
     ptx: str = field(repr=False)
-    vector_loads: int  # 16-byte global loads (ld.global[.nc].v4 / v2.u64)
+    vector_loads: int  # 16-byte global loads (ld.global[.nc].v4 / v2.u64, cp.async of 16 bytes)
     shuffles: int  # shfl.sync
     atomics: int  # atom. / red.
     local_memory: int  # ld.local / st.local in PTX (ptxas may still promote them)
@@ -83,7 +84,8 @@ def cuda_report(kernel: Kernel) -> CudaReport:
     registers, spills, stack = _parse_ptxas(cubin.stderr + cubin.stdout)
     return CudaReport(
         ptx=ptx,
-        vector_loads=len(re.findall(r"ld\.global(?:\.nc)?(?:\.L\d::\w+)*\.v(?:4\.(?:u|b|f)32|2\.(?:u|b|f)64)", ptx)),
+        vector_loads=len(re.findall(r"ld\.global(?:\.nc)?(?:\.L\d::\w+)*\.v(?:4\.(?:u|b|f)32|2\.(?:u|b|f)64)", ptx))
+        + len(re.findall(r"cp\.async\.c[ag]\.shared\.global(?:\.L2::\w+)? \[[^]]+\], \[[^]]+\], 16;", ptx)),
         shuffles=len(re.findall(r"shfl\.sync", ptx)),
         atomics=len(re.findall(r"\b(?:atom|red)\.", ptx)),
         local_memory=len(re.findall(r"\b(?:ld|st)\.local", ptx)),

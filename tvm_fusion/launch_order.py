@@ -43,7 +43,7 @@ from typing import Any
 import tvm
 from tvm import tirx
 
-from . import async_rounds, granule_stores, grid_barrier, store_hints
+from . import async_copy, async_rounds, granule_stores, grid_barrier, store_hints
 from .compute import PARTITION_LIKELY_ATTR
 from .stmts import map_children
 
@@ -196,7 +196,8 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
     const loops where a function asks for it (the
     :data:`~tvm_fusion.compute.PARTITION_LIKELY_ATTR` attribute of the decompositions in
     :data:`~tvm_fusion.compute.PARTITION_LIKELY`), and pipelined rounds lowered as
-    :mod:`tvm_fusion.async_rounds` says where one asks for that; then the large gradient
+    :mod:`tvm_fusion.async_rounds` says where one asks for that, their ``cp.async``
+    copies' 64-bit offsets folded into the source (``async_copy.wide_sources``); then the large gradient
     stores made evict-first (:mod:`tvm_fusion.store_hints`)."""
     config, disabled = dict(ctx.config), [*ctx.disabled_pass, *TAIL]
     config.setdefault(UNROLL_CONFIG, {"auto_max_step": NO_AUTO_UNROLL})
@@ -207,11 +208,20 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
     if pipelined:
         config, disabled = async_rounds.lowering_config(config, disabled)
     mod = granule_stores.module_stores_in_place(mod)  # a tuner's build: no compiled_form before
-    with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
-                                   disabled_pass=disabled, config=config, instruments=list(ctx.instruments)):
-        mod = pipeline(mod)
-        if pipelined:
-            mod = async_rounds.lower_allreduce(mod)
+
+    def through(config: dict) -> tvm.IRModule:
+        with tvm.transform.PassContext(opt_level=ctx.opt_level, required_pass=list(ctx.required_pass),
+                                       disabled_pass=disabled, config=config, instruments=list(ctx.instruments)):
+            out = pipeline(mod)
+            return async_rounds.lower_allreduce(out) if pipelined else out
+
+    out = through(config)
+    if async_copy.wanted(mod):
+        if async_copy.copyable(out):
+            # Marked copies of cp.async's widths: lowered again as InjectPTXAsyncCopy takes them.
+            out = through(async_copy.lowering_config(config))
+        out = async_copy.inject(out)
+    mod = async_copy.wide_sources(out)
     return store_hints.evict_first_stores(marked_loops(mod))
 
 

@@ -281,6 +281,15 @@ def candidates(op: str, target_kind: str) -> list[Candidate]:
     return [get(name) for name in schedules.DISPATCH_ORDER.get((op, target_kind), [])]
 
 
+def one_launch_twin(name: str, problem: Problem, target: Target) -> Candidate | None:
+    """The candidate that is ``name``'s schedule in fewer launches (its ``twin_of`` is
+    ``name``: the same row kernel and knobs, a first kernel folded in), where it applies
+    to ``problem`` on ``target``; else None."""
+    _load()
+    return next((c for c in _REGISTRY.values() if getattr(c, "twin_of", None) == name and c.applies(problem)
+                 and not c.unsupported(target)), None)
+
+
 def applicable(problem: Problem, target: Target) -> list[Candidate]:
     return [c for c in candidates(problem.op, target.kind.name) if c.applies(problem) and not c.unsupported(target)]
 

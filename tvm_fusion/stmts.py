@@ -1,7 +1,8 @@
-"""Rebuilding a TIR statement around rewritten children: TVM 0.27's Python has no
-statement mutator (``ir_transform``), so the build's rewrites (``launch_order``'s loop
-reversal, ``store_hints``' evict-first stores, ``granule_stores``) walk statements with
-this."""
+"""Rebuilding a TIR statement around rewritten children, and collecting from one: TVM
+0.27's Python has no statement mutator or visitor (``ir_transform``,
+``post_order_visit``), so the build's rewrites (``launch_order``'s loop reversal,
+``store_hints``' evict-first stores, ``granule_stores``, ``async_copy``) walk statements
+with these."""
 
 from __future__ import annotations
 
@@ -34,3 +35,19 @@ def map_children(stmt: tirx.Stmt, fn: Callable[[tirx.Stmt], tirx.Stmt]) -> tirx.
         body = fn(stmt.body)
         return stmt if body.same_as(stmt.body) else tirx.While(stmt.condition, body)
     return stmt
+
+
+def collect(stmt: tirx.Stmt, pick: Callable[[tirx.Stmt], object]) -> list:
+    """Every value ``pick`` returns that is not None, over ``stmt`` and the statements
+    under it (through the containers :func:`map_children` enters), in order; the
+    statements under one that gave a value are not visited."""
+    value = pick(stmt)
+    if value is not None:
+        return [value]
+    found: list = []
+
+    def visit(child: tirx.Stmt) -> tirx.Stmt:
+        found.extend(collect(child, pick))
+        return child
+    map_children(stmt, visit)
+    return found

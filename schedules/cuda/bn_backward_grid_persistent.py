@@ -61,7 +61,7 @@ class BNBackwardGridPersistent(GridPersistentCandidate):
             stat = sch.cache_read(partial, read_index(sch, partial, name), "local", consumer_blocks=[partial, dx])
             sch.compute_at(stat, round_loop, preserve_unit_loops=True)
         for copy in copies:
-            copy_in(sch, copy, round_loop, knobs, depth)
+            copy_in(sch, copy, round_loop, knobs, depth, self.asynchronous_copies)
         reduce_from(sch, partial, on_chip, knobs, depth)
         map_from(sch, dx, on_chip, knobs, depth)
         # The second kernel: dweight and dbias, a thread a channel.

@@ -7,7 +7,8 @@ For channels too large for one block (``bn_forward_persistent`` keeps a channel 
 to 96 KB): each channel is cut into P parts along N (``bn_stats.parts``: the fewest,
 of at most 200 KB each), a (channel, part) pair is a task, and a grid of G blocks
 walks the tasks in rounds of G, one block an SM. In each round a block
-1. copies its part of x into dynamic shared memory (16-byte loads);
+1. copies its part of x into dynamic shared memory (a vector a lane, as ``cp.async``
+   where that is 4, 8 or 16 bytes: :mod:`tvm_fusion.async_copy`);
 2. sums ``d = x - K[c]`` and ``d^2`` over the copy across its lanes and writes the
    part's two sums (``part_moments``);
 3. waits at a grid barrier (:mod:`tvm_fusion.grid_barrier`: the kernel is launched
@@ -48,7 +49,7 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
-from tvm_fusion import async_rounds, grid_barrier
+from tvm_fusion import async_copy, async_rounds, grid_barrier
 from tvm_fusion.compute import PART_COPIES
 from tvm_fusion.compute.bn_forward import channel_outputs
 from tvm_fusion.compute.bn_stats import PART_BYTES, parts
@@ -153,13 +154,15 @@ def after_barrier(sch, round_loop, names, combine: str, depth: int = 2, cluster:
         grid_barrier.before(sch, loop)
 
 
-def copy_in(sch, copy, round_loop, knobs, depth: int = 2) -> None:
+def copy_in(sch, copy, round_loop, knobs, depth: int = 2, asynchronous: bool = False) -> None:
     """A part's copy at the round, lanes on consecutive 16-byte chunks; ``depth``: the
     loops above a task's (the block's and the round's; the block's alone without
-    rounds)."""
+    rounds). ``asynchronous``: the copy issued as ``cp.async`` (:mod:`tvm_fusion.async_copy`)."""
     sch.compute_at(copy, round_loop, preserve_unit_loops=True)
-    _, _, vec = lanes_split(sch, copy, depth, knobs.threads, knobs.vector, 1)
+    _, serial, vec = lanes_split(sch, copy, depth, knobs.threads, knobs.vector, 1)
     sch.vectorize(vec)
+    if asynchronous:
+        async_copy.mark(sch, serial)
 
 
 def reduce_from(sch, partial, on_chip, knobs, depth: int = 2) -> None:
@@ -249,6 +252,9 @@ class GridPersistentCandidate(Candidate):
     def depth(self, knobs) -> int:
         """Loops above a task's: the block's and, with rounds, the round's."""
         return 1 if self.grid(knobs) is None else 2
+
+    # The parts' copies issued as cp.async (tvm_fusion.async_copy).
+    asynchronous_copies = True
 
     def prefers(self, problem, target: Target) -> bool:
         return fills_the_sms(problem, target, self.copies)
@@ -373,6 +379,8 @@ class PipelinedRounds:
     def prefers(self, problem, target: Target) -> bool:
         return False
 
+    asynchronous_copies = False  # the software pipeline makes the copies asynchronous itself
+
     def schedule(self, sch, problem, knobs) -> None:
         super().schedule(sch, problem, knobs)
         copies = [sch.get_sblock(name) for name in self.on_chip]
@@ -402,7 +410,7 @@ class BNForwardGridPersistent(GridPersistentCandidate):
         depth = self.depth(knobs)
         after_barrier(sch, round_loop, ("bn_scale", "bn_shift", "var_map", "mean_map", "moments_map"), "moments_map",
                       depth, self.cluster(problem))
-        copy_in(sch, copy, round_loop, knobs, depth)
+        copy_in(sch, copy, round_loop, knobs, depth, self.asynchronous_copies)
         # 2. The partial sums across the lanes, 16 bytes of the copy at a time; K[c]
         # loaded once a round into a register (inlined, nvcc reloaded it for every value).
         shift = sch.cache_read(partial, read_index(sch, partial, "x"), "local", consumer_blocks=[partial])

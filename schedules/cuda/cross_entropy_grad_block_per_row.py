@@ -37,7 +37,7 @@ from __future__ import annotations
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import Candidate, register
 
-from ..common import coefficients_at, outputs_to, row_loss_name, single_thread, thread_reduce
+from ..common import LoopRV, coefficients_at, outputs_to, row_loss_name, single_thread, thread_reduce
 from .cross_entropy_block_per_row import BlockPerRowKnobs, CrossEntropyBlockPerRow
 from .common import grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
 
@@ -61,9 +61,18 @@ class CrossEntropyGradBlockPerRow(Candidate):
     def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
         # Kernel 1: the targets pass.
         schedule_grad_prologue(sch, problem)
-        # 1. One row loop, one block per row (the coefficients at dlogits' row first).
-        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
+        self.schedule_rows(sch, problem, knobs)
+        # Kernel 3: the loss.
+        schedule_grad_batch_stage(sch, problem, knobs.threads)
+
+    def at_dlogits_row(self, sch, problem: CrossEntropyGradProblem, dlogits_row: LoopRV) -> None:
+        """What each row computes before its gradient: the coefficients, in registers."""
         coefficients_at(sch, problem, dlogits_row, "local")
+
+    def schedule_rows(self, sch, problem: CrossEntropyGradProblem, knobs) -> LoopRV:
+        """Kernel 2, steps 1-4; returns the row loop (bound to ``blockIdx.x``)."""
+        # 1. One row loop, one block per row (the coefficients at dlogits' row first).
+        self.at_dlogits_row(sch, problem, sch.get_loops(sch.get_sblock("dlogits"))[0])
         loss = row_loss_name(problem)
         row = merge_grad_rows(sch, problem)
         sch.bind(row, "blockIdx.x")
@@ -77,5 +86,4 @@ class CrossEntropyGradBlockPerRow(Candidate):
         # 3. lse and the row loss on thread 0 (after the map: row_order says why).
         for name in ("lse", loss):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
-        # Kernel 3: the loss.
-        schedule_grad_batch_stage(sch, problem, knobs.threads)
+        return row

@@ -76,6 +76,7 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
+from tvm_fusion import async_copy
 from tvm_fusion.compute.cross_entropy_grad import HEAD_GRAIN, head_length
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
@@ -132,8 +133,9 @@ class CrossEntropyGradHeadInShared(Candidate):
         # 2. The head into shared memory, 16 bytes a lane a load.
         copy = sch.get_sblock("row_head")
         sch.set_scope(copy, 0, "shared.dyn")
-        _, _, vec = lanes_split(sch, copy, 1, threads, vector, step, batch=batch)
+        _, serial, vec = lanes_split(sch, copy, 1, threads, vector, step, batch=batch)
         sch.vectorize(vec)
+        async_copy.mark(sch, serial)  # cp.async (tvm_fusion.async_copy)
         # 3. The statistics over 16-byte chunks, each staged from the copy or the logits.
         online_chunks(sch, threads, step, "local", batch, source="row_src")
         # 4. The gradient, each vector staged from the copy or the logits, stored whole.

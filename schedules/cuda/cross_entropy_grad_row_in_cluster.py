@@ -12,7 +12,8 @@ Kernel 1, one block: the targets pass. Kernel 2, grid (B P,), clusters of P (a r
 parts are consecutive blocks, one cluster), ``threads`` lanes a block:
 1. One loop over the parts (the view's rows) for every per-part and per-row block,
    bound to ``blockIdx.x``.
-2. The part is copied into dynamic shared memory with 16-byte loads (``logits_parts``).
+2. The part is copied into dynamic shared memory 16 bytes a lane (``logits_parts``), as
+   ``cp.async`` (:mod:`tvm_fusion.async_copy`).
 3. ``part_online``: the part's online (sum of exp, max) over its 16-byte chunks, each
    staged from the copy into registers, the lanes combined through shuffles; thread 0
    stores the pair (global memory).
@@ -88,7 +89,11 @@ half, from L2) it is the tuner's to pick. Why it stays above the 1.01-1.06x of o
 on chip: the probes below.
 
 Applies to the fused gradient with rows of more than 112 KB that ``row_parts`` cuts, on
-sm_90 and later (thread-block clusters). In place (``inplace_backward``, the gradient over
+sm_90 and later (thread-block clusters), and to shorter rows in batches of fewer than 256
+rows, which ``row_parts`` cuts into the fewest parts that make 512 blocks (128x32000 fp16:
+4 parts of 16 KB). A block or a warp a row leaves most of the GPU idle there (128 rows on
+132 SMs, each block walking 64 KB): the parts spread the batch over about four blocks an
+SM. Untimed: only the tuner picks it on such rows. In place (``inplace_backward``, the gradient over
 the logits) as well: a block reads the logits only before the cluster barrier (its part,
 and the row loss's target logit, read first into registers), and every store of the
 gradient comes after it, so no block reads what another has written. In place on an H100
@@ -142,8 +147,8 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
-from tvm_fusion import grid_barrier
-from tvm_fusion.compute.cross_entropy_grad import PARTS, PARTS_ALGORITHM, row_parts
+from tvm_fusion import async_copy, grid_barrier
+from tvm_fusion.compute.cross_entropy_grad import PARTS, PARTS_ALGORITHM, SPREAD_BLOCKS, row_parts
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, register
@@ -176,8 +181,9 @@ class CrossEntropyGradRowInCluster(Candidate):
     claims = {"shuffles": True, "vector_loads": True}
 
     def applies(self, problem: CrossEntropyGradProblem) -> bool:
+        few = problem.batch < SPREAD_BLOCKS // 2  # rows cut to spread a small batch (row_parts)
         if not (problem.op == self.op and problem.mode == "fused"
-                and problem.classes * DTYPE_BYTES[problem.dtype] > ROW_BYTES_MAX):
+                and (problem.classes * DTYPE_BYTES[problem.dtype] > ROW_BYTES_MAX or few)):
             return False
         try:
             row_parts(problem)
@@ -244,10 +250,11 @@ class CrossEntropyGradRowInCluster(Candidate):
         serial, at, _ = lane_steps(sch, sch.get_loops(sch.get_sblock("part_online"))[1], threads)
         unroll(sch, serial, step)
         chunks_at(sch, at, staged=shared)
-        # The part's copy, 16-byte loads.
+        # The part's copy, 16 bytes a lane, cp.async.
         sch.compute_at(copy, task, preserve_unit_loops=True)
-        _, _, vec = lanes_split(sch, copy, 1, threads, vector, step)
+        _, copies, vec = lanes_split(sch, copy, 1, threads, vector, step)
         sch.vectorize(vec)
+        async_copy.mark(sch, copies)
         # The gradient of the part from the copy, 16-byte stores.
         _, serial, vec = lanes_split(sch, mapped, 1, threads, vector, step)
         sch.unroll(vec)

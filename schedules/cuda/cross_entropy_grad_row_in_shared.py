@@ -10,7 +10,8 @@ later sweeps from L2 at best). For rows that fit beside a second block on an SM
 
 Kernel 1, one block: the targets pass. Kernel 2, grid (B,):
 1. Every per-row block shares one row loop (``merge_rows``) bound to ``blockIdx.x``.
-2. The row is copied in with 16-byte global loads, ``[threadIdx.x, serial, vector]``.
+2. The row is copied in 16 bytes a lane, ``[threadIdx.x, serial, vector]``, as ``cp.async``
+   (:mod:`tvm_fusion.async_copy`: every copy of a thread in flight at once).
 3. ``row_max`` then ``row_sumexp`` over shared memory, 16-byte chunks into registers,
    shuffles plus one shared hop; both statistics stay in every thread's registers.
 4. ``dlogits`` over shared memory, the gradient in float32, 16-byte global stores.
@@ -32,12 +33,13 @@ from __future__ import annotations
 
 from tvm.target import Target
 
+from tvm_fusion import async_copy
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import Candidate, register
 from tvm_fusion.targets import sm_count
 
 from ..common import (
-    coefficients_at, lanes_split, outputs_to, read_index, row_loss_name, single_thread, thread_reduce,
+    LoopRV, coefficients_at, lanes_split, outputs_to, read_index, row_loss_name, single_thread, thread_reduce,
 )
 from .common import grad_map, merge_grad_rows, reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue
 from .cross_entropy_row_in_shared import CrossEntropyRowInShared, RowInSharedKnobs
@@ -76,11 +78,13 @@ class CrossEntropyGradRowInShared(Candidate):
             knobs = RowInSharedKnobs(threads=512, vector=knobs.vector, unroll=knobs.unroll)
         return knobs
 
-    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
-        # Kernel 1: the targets pass.
-        schedule_grad_prologue(sch, problem)
-        dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
+    def at_dlogits_row(self, sch, problem: CrossEntropyGradProblem, dlogits_row: LoopRV) -> None:
+        """What each row computes before its gradient: the coefficients, in registers."""
         coefficients_at(sch, problem, dlogits_row, "local")
+
+    def schedule_rows(self, sch, problem: CrossEntropyGradProblem, knobs) -> LoopRV:
+        """Kernel 2, steps 1-5; returns the row loop (bound to ``blockIdx.x``)."""
+        self.at_dlogits_row(sch, problem, sch.get_loops(sch.get_sblock("dlogits"))[0])
         # 2. The copy of the row that the statistics and the gradient read. Each
         # consumer's random variable is used again below: TVM 0.27's Trace.simplified,
         # which MetaSchedule's search replays, drops a GetSBlock whose output only a
@@ -95,8 +99,9 @@ class CrossEntropyGradRowInShared(Candidate):
         row = merge_grad_rows(sch, problem)
         sch.bind(row, "blockIdx.x")
         sch.compute_at(copy, row, preserve_unit_loops=True)
-        _, _, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
+        _, serial, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
         sch.vectorize(vec)
+        async_copy.mark(sch, serial)
         # 3. Both statistics over shared memory, kept in registers.
         for block in (row_max, row_sum):
             thread_reduce(sch, block, 1, knobs.threads, knobs.vector, knobs.unroll, shared)
@@ -106,5 +111,12 @@ class CrossEntropyGradRowInShared(Candidate):
         # 5. lse and the row loss on thread 0.
         for name in ("lse", loss):
             single_thread(sch, sch.get_sblock(name), knobs.threads)
+        return row
+
+    def schedule(self, sch, problem: CrossEntropyGradProblem, knobs) -> None:
+        # Kernel 1: the targets pass.
+        schedule_grad_prologue(sch, problem)
+        # Kernel 2: the rows.
+        self.schedule_rows(sch, problem, knobs)
         # Kernel 3: the loss.
         schedule_grad_batch_stage(sch, problem, knobs.threads)

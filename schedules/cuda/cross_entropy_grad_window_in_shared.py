@@ -64,6 +64,7 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
+from tvm_fusion import async_copy
 from tvm_fusion.compute.cross_entropy_grad import window_granules
 from tvm_fusion.compute.primitives import granule
 from tvm_fusion.contracts import CrossEntropyGradProblem
@@ -135,16 +136,16 @@ class CrossEntropyGradWindowInShared(Candidate):
 
 def window_and_statistics(sch, problem: CrossEntropyGradProblem, knobs) -> str:
     """Steps 2-3 of the window candidates, under the row loop bound to ``blockIdx.x``:
-    the window copied into dynamic shared memory (a 16-byte load and a 16-byte store
-    per granule), then ``row_max`` and ``row_sumexp`` over it, 16 bytes a lane a step,
+    the window copied into dynamic shared memory (a 16-byte ``cp.async`` per granule), then ``row_max`` and ``row_sumexp`` over it, 16 bytes a lane a step,
     kept in every thread's registers. Returns the window's buffer name in shared
     memory (what the map stages from)."""
     c = granule(problem.dtype)
     window = sch.get_sblock("window")
     outputs_to(sch, window, "shared.dyn")
     staged = sch.get(window).writes[0].source.name  # the buffer's name in its new scope
-    _, _, vec = lanes_split(sch, window, 1, knobs.threads, c, knobs.unroll)
+    _, serial, vec = lanes_split(sch, window, 1, knobs.threads, c, knobs.unroll)
     sch.vectorize(vec)
+    async_copy.mark(sch, serial)  # cp.async (tvm_fusion.async_copy)
     for name in ("row_max", "row_sumexp"):
         block = sch.get_sblock(name)
         thread_reduce(sch, block, 1, knobs.threads, c, knobs.unroll, staged)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from tvm.target import Target
 
+from tvm_fusion import async_copy
 from tvm_fusion.contracts import CrossEntropyProblem
 from tvm_fusion.contracts.common import DTYPE_BYTES
 from tvm_fusion.registry import Candidate, Knobs, ladder, register
@@ -92,8 +93,9 @@ class CrossEntropyRowInShared(Candidate):
             outputs_to(sch, block, "local")
         # 2. The row copied in once.
         sch.compute_at(copy, row, preserve_unit_loops=True)
-        _, _, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
+        _, serial, vec = lanes_split(sch, copy, 1, knobs.threads, knobs.vector, knobs.unroll)
         sch.vectorize(vec)
+        async_copy.mark(sch, serial)
         # 4. The scalar transform on one thread, then the batch kernel.
         single_thread(sch, epilogue, knobs.threads)
         schedule_ce_batch_stage(sch, problem, knobs.threads)

@@ -76,7 +76,7 @@ The PrimFunc's parameters are ``logits, target[, weight]`` then, for reduction="
 ``loss (B,), first_bad_row (1,)``; otherwise ``row_loss (B,), loss (1,), first_bad_row (1,)``.
 
 The steps are module functions (``row_statistics``, ``target_checks``, ``row_loss_value``,
-``bad_row_value``, ``row_weight_value``) that the gradient (``compute.cross_entropy_grad``)
+``bad_row_value``, ``row_weight_value``, ``batch_stage``) that the gradient (``compute.cross_entropy_grad``)
 builds from too; the forward's PrimFuncs are structurally what they were before that
 split, so tuning records keep matching.
 """
@@ -509,12 +509,20 @@ def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass"
         params = [logits, target] + ([weight] if weighted else [])
         return params + [row_loss, first_bad]
 
-    def weight_of_row(i):
-        return row_weight_value(problem, weight, valid_and_in_range, i, idx)
+    loss, first_bad, _ = batch_stage(problem, row_loss, weight, valid_and_in_range, i, idx)
+    params = [logits, target] + ([weight] if weighted else [])
+    return params + [row_loss, loss, first_bad]
 
+
+def batch_stage(problem, row_loss: te.Tensor, weight, valid_and_in_range, i, idx: str) -> tuple:
+    """Steps 4-5 over the rows (reduce axis ``i``) in one pass: the sum of the row
+    losses, the mean's denominator and the first bad row (``BATCH_SUMS``), then
+    ``loss`` and ``first_bad_row``. Returns ``(loss, first_bad_row, denominator)``."""
+    scalar = [tirx.IntImm(idx, 1)]
     total, denom, first_bad_acc = te.compute(
         scalar,
-        lambda _: BATCH_SUMS((row_loss[i], weight_of_row(i), bad_row(i)), axis=i),
+        lambda _: BATCH_SUMS((row_loss[i], row_weight_value(problem, weight, valid_and_in_range, i, idx),
+                              bad_row_value(problem, valid_and_in_range, i)), axis=i),
         name="batch",
     )
 
@@ -523,5 +531,4 @@ def cross_entropy_te(problem: CrossEntropyProblem, algorithm: str = "three_pass"
 
     loss = te.compute(scalar, finish, name="loss")
     first_bad = te.compute(scalar, lambda z: first_bad_acc[z], name="first_bad_row")
-    params = [logits, target] + ([weight] if weighted else [])
-    return params + [row_loss, loss, first_bad]
+    return loss, first_bad, denom

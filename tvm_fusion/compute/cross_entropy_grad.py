@@ -81,6 +81,17 @@ its own exact extent:
        ``dlogits`` itself).
     A cluster schedule gives each part a block, the P blocks of a row one cluster, and
     exchanges the parts' pairs between 1 and 2 (``cross_entropy_grad_row_in_cluster``).
+``fused_row_targets``  ``x(SR), t(SR) -> max(S), denom_i(S) -> exp, sum(S) -> lse, row_loss,
+coef(S) -> dlogits(SS) | row_loss, t(R) -> loss, denom, first_bad``
+    ``fused`` without the pass over the targets first, for small batches (the mean
+    and sum): every row sums the mean's denominator over all B targets itself,
+    ``row_denom[i] = sum_j w[t_j]`` (valid rows; the same value in every row), so
+    that a row kernel needs nothing computed before it; the outputs ``denom`` and
+    ``first_bad_row`` come from the batch stage, which sums the row losses, the
+    denominator and the first bad row in one pass (the forward's ``batch_stage``).
+    B times the targets' reads: a GPU schedule reads them from L2 in every row
+    block, and saves the targets kernel's launch. "none" keeps ``fused``'s pass
+    (it has no batch stage).
 ``from_lse``  ``t(R) -> denom | w(R) -> W | coef(S) -> dlogits(SS)``
     0. ``denom`` (mean) over the targets and ``weight_total`` (W, with weight and
        smoothing) over the weight, each a first small pass; 3. the coefficients;
@@ -118,6 +129,7 @@ from ..contracts.common import DTYPE_BYTES
 from ..contracts.cross_entropy_grad import CrossEntropyGradProblem
 from .cross_entropy import (
     bad_row_value,
+    batch_stage,
     guarded,
     online_chunk_statistics,
     placeholders,
@@ -133,18 +145,20 @@ from .primitives import (
 )
 
 GRANULES_ALGORITHM = "fused_granules"
+ROW_TARGETS_ALGORITHM = "fused_row_targets"
 PARTS_ALGORITHM = "fused_parts"
 PARTS = "dlogits_parts"  # fused_parts' map, laid out as the (B P, L) view
 GRANULES = "dlogits_granules"  # fused_granules' map, laid out as the window
 # The decompositions that read the row from its window (``window_statistics``).
 WINDOWED = ("fused_window", GRANULES_ALGORITHM)
 ALGORITHMS = ("fused", "fused_online", "fused_poly_exp", "from_lse", "from_lse_poly_exp", "fused_padded",
-              "fused_window", "fused_head", GRANULES_ALGORITHM, PARTS_ALGORITHM)
+              "fused_window", "fused_head", GRANULES_ALGORITHM, PARTS_ALGORITHM, ROW_TARGETS_ALGORITHM)
 MODE_OF = {name: "from_lse" if name.startswith("from_lse") else "fused" for name in ALGORITHMS}
 DEFAULT_FOR_MODE = {"fused": "fused", "from_lse": "from_lse"}
 # The forward decomposition whose row statistics each fused decomposition reuses.
 STATISTICS = {"fused": "three_pass", "fused_online": "online", "fused_head": "online",
-              "fused_poly_exp": "three_pass_poly_exp", "fused_padded": "padded_three_pass"}
+              "fused_poly_exp": "three_pass_poly_exp", "fused_padded": "padded_three_pass",
+              ROW_TARGETS_ALGORITHM: "three_pass"}
 
 TARGET_SUMS = tuple_reducer(("sum", "min"), name="target_sums")
 F32 = "float32"
@@ -187,8 +201,16 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
     i_loss = te.reduce_axis((tirx.IntImm(idx, 0), batch), name="i2")
 
     # 0. Passes over the targets (and the weight) before any row.
-    denom = first_bad = weight_total = None
-    if fused and reduction == "mean":
+    denom = first_bad = weight_total = row_denom = None
+    # fused_row_targets: the batch stage computes these (below), every row its denominator.
+    in_batch = algorithm == ROW_TARGETS_ALGORITHM and reduction != "none"
+    if in_batch:
+        if reduction == "mean":
+            row_denom = te.compute(
+                rows, lambda _: te.sum(row_weight_value(problem, weight, checks, i_all, idx), axis=i_all),
+                name="row_denom",
+            )
+    elif fused and reduction == "mean":
         denom_acc, first_bad_acc = te.compute(
             scalar,
             lambda _: TARGET_SUMS((row_weight_value(problem, weight, checks, i_all, idx),
@@ -251,7 +273,7 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
         up = tirx.const(1.0, F32) if fused else dloss[i if reduction == "none" else zero]
         if reduction != "mean":
             return up
-        d = denom[zero]
+        d = denom[zero] if row_denom is None else row_denom[i]
         return tirx.Select(d == tirx.const(0.0, F32), tirx.const(float("nan"), F32), up / d)
 
     def coefficients(i):
@@ -319,7 +341,11 @@ def cross_entropy_grad_te(problem: CrossEntropyGradProblem, algorithm: str | Non
     # order follows the output list): targets, rows, then the batch.
     if reduction == "none":
         return params + [first_bad, lse_out, row_loss, dlogits]
-    if reduction == "mean":
+    if in_batch:  # the forward's batch stage, and the denominator as an output
+        loss, first_bad, batch_denom = batch_stage(problem, row_loss, weight, checks, i_loss, idx)
+        if reduction == "mean":
+            denom = te.compute(scalar, lambda z: batch_denom[z], name="denom")
+    elif reduction == "mean":
         # The denominator again beside the losses (B values): the epilogue may read
         # only what its own kernel computed (a GPU schedule's one-block reduction).
         total, batch_denom = te.compute(
@@ -496,17 +522,26 @@ def head_sources(problem, logits: te.Tensor, idx: str) -> tuple[te.Tensor, te.Te
 PART_BYTES = 75 * 1024
 PART_BYTES_MAX = 200 * 1024
 MAX_PARTS = 8  # a portable thread-block cluster's blocks
+# Rows that fit one block (at most SHORT_ROW_BYTES: two blocks an SM of sm_90's 227 KB)
+# are cut only where there are few of them, to spread a batch of fewer rows than SMs
+# over the GPU: the fewest parts that give SPREAD_BLOCKS blocks, about four an SM of an
+# H100's or H200's 132.
+SHORT_ROW_BYTES = 112 * 1024  # schedules' cross_entropy_row_in_shared.ROW_BYTES_MAX (not imported here)
+SPREAD_BLOCKS = 512
 
 
 def row_parts(problem) -> int:
     """``fused_parts``' P: the fewest parts, 2 to ``MAX_PARTS``, that cut a row into equal
     whole 16-byte chunks of at most ``PART_BYTES``, else the most (the smallest parts, the
-    most blocks an SM) of at most ``PART_BYTES_MAX``; a
-    ValueError where none does (V not a multiple of two chunks' values, or a row past
-    ``MAX_PARTS`` x ``PART_BYTES_MAX``)."""
+    most blocks an SM) of at most ``PART_BYTES_MAX``. A row of at most
+    ``SHORT_ROW_BYTES`` takes the fewest that make ``SPREAD_BLOCKS`` blocks of the batch,
+    else the most. A ValueError where none does (V not a multiple of two chunks' values,
+    or a row past ``MAX_PARTS`` x ``PART_BYTES_MAX``)."""
     c = granule(problem.dtype)
     row = problem.classes * DTYPE_BYTES[problem.dtype]
     fitting = [p for p in range(2, MAX_PARTS + 1) if problem.classes % (p * c) == 0]
+    if fitting and row <= SHORT_ROW_BYTES:
+        return next((p for p in fitting if problem.batch * p >= SPREAD_BLOCKS), fitting[-1])
     small = [p for p in fitting if row // p <= PART_BYTES]
     if small:
         return small[0]
