@@ -158,13 +158,15 @@ def copy_source_offsets(source: str) -> list[str]:
 
 def big_cases():
     """Each cross entropy candidate that copies asynchronously, on 32768 x 151936 bf16
-    (5e9 elements: 64-bit offsets); the forward and the gradient."""
+    (5e9 elements: 64-bit offsets), the forward and the gradient; and the gradient on
+    65536 x 50257 bf16 (3.3e9, rows off the 16-byte grid: the granule windows)."""
     from tvm_fusion import registry
 
-    for op in ("cross_entropy", "cross_entropy_grad"):
-        problem = tf.make_problem(op, (32768, 151936), "bfloat16")
+    for op, shape in (("cross_entropy", (32768, 151936)), ("cross_entropy_grad", (32768, 151936)),
+                      ("cross_entropy_grad", (65536, 50257))):
+        problem = tf.make_problem(op, shape, "bfloat16")
         for cand in registry.applicable(problem, CUDA):
-            yield pytest.param(problem, cand.name, id=f"{op}-{cand.name}")
+            yield pytest.param(problem, cand.name, id=f"{op}-{shape[1]}-{cand.name}")
 
 
 @pytest.mark.parametrize("problem, candidate", list(big_cases()))

@@ -97,7 +97,7 @@ def test_cuda_source_has_the_barrier_between_the_partials_and_their_combine(shap
     # where the vector is 4, 8 or 16 bytes, waited for before the barrier.
     assert persistent.count("x_shared_dyn_ptr") >= 3
     if kernel.knobs.vector * DTYPE_BYTES[dtype] in (4, 8, 16):
-        assert re.search(r"ptx_cp_async_legacy_cg_\d+_\d+_\d+\(x_shared_dyn_ptr, [^;]*x_ptr, ", persistent)
+        assert re.search(r"ptx_cp_async_legacy_cg_\d+_\d+_\d+\(x_shared_dyn_ptr, [^;]*x_ptr[, []", persistent)
         assert "wait_all();" in persistent
     # The per-channel outputs come from the second kernel, once a channel.
     assert "running_mean_out_ptr" not in persistent and "save_mean_ptr" not in persistent

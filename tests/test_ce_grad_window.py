@@ -112,7 +112,7 @@ def window_loads(source: str) -> list[str]:
     ``cp.async`` waited for before the statistics read it (:mod:`tvm_fusion.async_copy`,
     in launch_order's pipeline), or a 16-byte load and store (a build by TVM's own
     pipeline, which ignores the mark)."""
-    copies = re.findall(r"ptx_cp_async_legacy_cg_16_\d+_\d+\(window_shared_dyn_ptr, [^;]*logits_ptr, ", source)
+    copies = re.findall(r"ptx_cp_async_legacy_cg_16_\d+_\d+\(window_shared_dyn_ptr, [^;]*logits_ptr[, []", source)
     if copies:
         return copies if "wait_all();" in source else []
     return re.findall(r"\*\((?:uint4|float4)\*\)\(window_shared_dyn_ptr \+ [^;]*= \*\((?:uint4|float4)\*\)\(logits_ptr \+",

@@ -897,7 +897,7 @@ def test_head_in_shared_reads_the_head_from_shared_memory_and_the_tail_from_the_
     problem = gpu_problem((8192, 128256), {}, "bfloat16", "fused")
     kernel = build_kernel(problem, CUDA, "cross_entropy_grad_head_in_shared")
     body = row_kernel(kernel.device_source())
-    copy = re.findall(r"ptx_cp_async_legacy_cg_16_\d+_\d+\(row_head_shared_dyn_ptr, [^;]*logits_ptr, ", body)  # cp.async
+    copy = re.findall(r"ptx_cp_async_legacy_cg_16_\d+_\d+\(row_head_shared_dyn_ptr, [^;]*logits_ptr[, []", body)  # cp.async
     assert len(copy) == 12  # 98304 values: 12 steps of 1024 lanes x 8, unrolled
     from_head = re.findall(r"_src_local_ptr(?:_\d)? \+ 0\) = \*\(uint4\*\)\(row_head_shared_dyn_ptr", body)
     from_logits = re.findall(r"_src_local_ptr(?:_\d)? \+ 0\) = \*\(uint4\*\)\(logits_ptr", body)
