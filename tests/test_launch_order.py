@@ -7,6 +7,8 @@ pass are marked, and with the switch off they build forwards; a mark on a loop t
 cannot run backwards is an error that names it. The GPU suite checks every marked
 candidate against float64 on poisoned outputs (test_gpu.py)."""
 
+import re
+
 import numpy as np
 import pytest
 import tvm
@@ -165,3 +167,19 @@ def test_a_loop_past_two_to_the_31_steps_is_not_unrolled_in_full():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split() == ["bn_stats", "bn_stats_parallel", "bn_forward", "bn_forward_parallel"]
+
+
+@pytest.mark.parametrize("op, candidate", [("bn_forward", "bn_forward_split_plane_runs"),
+                                           ("bn_forward", "bn_forward_block_per_channel"),
+                                           ("bn_backward", "bn_backward_split_plane_runs"),
+                                           ("bn_backward", "bn_backward_block_per_channel")])
+def test_a_grid_past_two_to_the_31_elements_walks_back_on_64_bit_indices(op, candidate):
+    """512x256x130x130 fp16 (2.2e9 elements): the grid's index is 64-bit, and so is the
+    index walked backwards (a 32-bit one failed the build in TVM's IterVar check, and
+    dispatch picks split_plane_runs for this shape)."""
+    problem = tf.make_problem(op, (512, 256, 130, 130), "float16", **({"training": True} if op == "bn_forward" else {}))
+    source = build_kernel(problem, CUDA, candidate).device_source()
+    # each walked-back index (the grid's, a serial loop's) declared 64-bit
+    walked = re.findall(r"(\w+) (\w+) = \(\(int64_t\)\d+ - (?:\(\(int64_t\)blockIdx\.x\)|\w+_walked)\);", source)
+    assert walked and all(ty == "int64_t" for ty, _, in walked), walked
+    assert not re.search(r"\bint \w+_walked\b", source)

@@ -322,6 +322,37 @@ def test_past_two_to_the_31_elements_on_gpu():
 
 @pytest.mark.gpu
 @gpu
+def test_batch_norm_past_two_to_the_31_elements_on_gpu():
+    """512 x 256 x 130 x 130 fp16 (2.2e9 elements; dispatch picks split_plane_runs, whose
+    grid walks back on 64-bit indices): the forward in training, the backward, and the
+    running statistics, against float64 torch on four channels (a whole float64
+    reference would not fit)."""
+    shape, channels = (512, 256, 130, 130), [0, 1, 127, 255]
+    torch.manual_seed(int(rng().integers(2**31)))
+    x = (torch.randn(shape, device="cuda", dtype=torch.float16) * 2 + 0.5).requires_grad_()
+    weight = (torch.rand(shape[1], device="cuda") + 0.5).requires_grad_()
+    bias = torch.randn(shape[1], device="cuda").requires_grad_()
+    running_mean, running_var = torch.zeros(shape[1], device="cuda"), torch.ones(shape[1], device="cuda")
+    y = tft.batch_norm(x, running_mean, running_var, weight, bias, True, 0.1, 1e-5)
+    dy = torch.randn(shape, device="cuda", dtype=torch.float16)
+    y.backward(dy)
+    pick = torch.tensor(channels, device="cuda")
+    xs = x.detach()[:, pick].double().requires_grad_()
+    ws, bs = weight.detach()[pick].double().requires_grad_(), bias.detach()[pick].double().requires_grad_()
+    rm, rv = torch.zeros(len(channels), device="cuda", dtype=torch.float64), torch.ones(len(channels), device="cuda",
+                                                                                       dtype=torch.float64)
+    ys = F.batch_norm(xs, rm, rv, ws, bs, True, 0.1, 1e-5)
+    ys.backward(dy[:, pick].double())
+    torch.testing.assert_close(y[:, pick].double(), ys, rtol=2e-3, atol=2e-3 * float(ys.abs().max()))
+    torch.testing.assert_close(x.grad[:, pick].double(), xs.grad, rtol=2e-3, atol=2e-3 * float(xs.grad.abs().max()))
+    torch.testing.assert_close(weight.grad[pick].double(), ws.grad, rtol=1e-3, atol=1e-3 * float(ws.grad.abs().max()))
+    torch.testing.assert_close(bias.grad[pick].double(), bs.grad, rtol=1e-3, atol=1e-3 * float(bs.grad.abs().max()))
+    torch.testing.assert_close(running_mean[pick].double(), rm, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(running_var[pick].double(), rv, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@gpu
 def test_a_training_step_replays_in_a_cuda_graph():
     torch.manual_seed(int(rng().integers(2**31)))
     model = torch.nn.Linear(256, 8192).cuda()

@@ -93,7 +93,7 @@ def reverse(sch: Any, loop: Any) -> None:
 
 
 def _backwards(var: tirx.Var, start: Any, extent: Any, body: tirx.Stmt) -> tuple[tirx.Var, tirx.Stmt]:
-    walked = tirx.Var(var.name + "_walked", "int32")
+    walked = tirx.Var(var.name + "_walked", var.ty)  # int64 past 2^31 elements
     return walked, tirx.SeqStmt([tirx.Bind(var, start + extent - 1 - (walked - start)), body])
 
 
