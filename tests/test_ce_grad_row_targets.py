@@ -62,7 +62,13 @@ def test_a_row_past_shared_memory(name, applies):
 
 @pytest.mark.parametrize("shape, dtype, picked, source", [
     ((128, 32000), "float16", "cross_entropy_grad_row_targets", "record (one-launch twin)"),  # the shipped record's twin
-    ((64, 32000), "bfloat16", "cross_entropy_grad_row_targets", "heuristic"),
+    # few rows of 64 KB and more: row_in_shared's twin (its preference, H100 A/B)
+    ((64, 32000), "bfloat16", "cross_entropy_grad_row_in_shared_targets", "heuristic"),
+    ((1, 32000), "float16", "cross_entropy_grad_row_in_shared_targets", "heuristic"),
+    ((99, 50304), "bfloat16", "cross_entropy_grad_row_in_shared_targets", "heuristic"),
+    # past three quarters of the SMs (132 on sm_90), or rows under 64 KB: block_per_row's
+    ((100, 32000), "float16", "cross_entropy_grad_row_targets", "heuristic"),
+    ((64, 8192), "float16", "cross_entropy_grad_row_targets", "heuristic"),
     ((512, 32000), "bfloat16", "cross_entropy_grad_row_in_shared_targets", "heuristic"),
     ((1024, 32000), "float16", "cross_entropy_grad_row_in_shared_targets", "heuristic"),
 ])
@@ -73,7 +79,8 @@ def test_dispatch_takes_the_twin_where_it_took_the_base(shape, dtype, picked, so
 
 
 @pytest.mark.parametrize("shape, options", [((2048, 32000), {}), ((512, 32000), {"reduction": "none"}),
-                                            ((512, 32000), {"in_place": True})])
+                                            ((512, 32000), {"in_place": True}), ((64, 32000), {"in_place": True}),
+                                            ((2000, 32000), {"reduction": "sum"})])
 def test_dispatch_keeps_the_base_where_no_twin_applies(shape, options):
     assert choose(problem(shape, **options), CUDA).candidate == "cross_entropy_grad_row_in_shared"
 

@@ -49,10 +49,13 @@ shape                block_per_row   row_targets  row_in_shared    row_in_shared
 200x1000 fp16        7.66            6.50         7.62             6.91            6.65
 ===================  ==============  ===========  ===============  ==============  ===========
 
-One launch fewer is 0.7-2.5 us on every shape. ``row_in_shared``'s preference leaves
-batches of fewer than twice the SMs' rows to ``block_per_row``, where on 64x32000 bf16
-and 1x32000 ``row_in_shared``'s twin was the fastest (11.83 us against
-``row_targets``' 17.56): a lead, not yet a rule (on 128x32000 fp16 it was not).
+One launch fewer is 0.7-2.5 us on every shape. Which twin: ``row_in_shared``'s
+preference (its ``prefers``) takes rows of 64 KB and more on batches up to three
+quarters of the SMs, where its twin was the fastest on every shape timed (rows of
+2026-12-07T09:05-09:08Z, 1 to 96 rows of 32000 and 16 to 64 of 50304: 64x32000 bf16
+11.81 us against ``row_targets``' 17.55, 96x32000 fp16 12.91 against 13.47), and
+batches of twice the SMs and more; ``row_targets`` keeps the rest (128x32000 fp16
+13.54 against 14.10).
 
 Not used: the denominator summed once, by the first block, with the others waiting on
 a flag in global memory (a block may wait on one the GPU has not scheduled: only a
