@@ -25,7 +25,7 @@ import tvm_ffi
 import tvm.support.nvcc  # noqa: F401  (registers the CUDA JIT callback used at load on a GPU)
 from tvm.target import Target
 
-from . import async_copy, granule_stores, launch_order, registry, single_launch, store_hints, targets
+from . import async_copy, dependent_launch, granule_stores, launch_order, registry, single_launch, store_hints, targets
 from .compute import prim_func
 from .contracts import Problem
 from .registry import Knobs
@@ -277,13 +277,13 @@ def build_kernel(
     inputs the compiled function takes in their caller's shape (``compiled_form``)."""
     cand = registry.get(candidate)
     knobs = knobs or cand.default_for(problem, target)
-    # single_launch.ENABLED, launch_order.ENABLED, store_hints.ENABLED and
-    # async_copy.ENABLED are in the key: a build with the merge, the reversal, the
-    # evict-first stores or the asynchronous copies switched off (an A/B in one process)
-    # is another kernel.
+    # single_launch.ENABLED, launch_order.ENABLED, store_hints.ENABLED,
+    # async_copy.ENABLED and dependent_launch.ENABLED are in the key: a build with the
+    # merge, the reversal, the evict-first stores, the asynchronous copies or the
+    # overlapped launches switched (an A/B in one process) is another kernel.
     cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm_ffi.structural_hash(mod),
                  input_shapes, single_launch.ENABLED, launch_order.ENABLED, store_hints.ENABLED, async_copy.ENABLED,
-                 WORKSPACE_PARAMS)
+                 dependent_launch.ENABLED, WORKSPACE_PARAMS)
     with _LOCK:
         if cache_key in _CACHE:
             return _CACHE[cache_key]

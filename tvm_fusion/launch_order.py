@@ -43,7 +43,7 @@ from typing import Any
 import tvm
 from tvm import tirx
 
-from . import async_copy, async_rounds, granule_stores, grid_barrier, store_hints
+from . import async_copy, async_rounds, dependent_launch, granule_stores, grid_barrier, store_hints
 from .compute import PARTITION_LIKELY_ATTR
 from .stmts import map_children
 
@@ -226,12 +226,13 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
 
 
 def _pipeline(**kwargs):
-    """TVM's s_tir pipeline with :func:`marked_loops` before its host/device split."""
+    """TVM's s_tir pipeline with :func:`marked_loops` before its host/device split, and
+    the launches overlapped where ``dependent_launch`` is switched on."""
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.Pipeline")
     def run(mod, ctx):
-        return tail()(lowered(pipeline, mod, ctx))
+        return tail()(dependent_launch.overlap(lowered(pipeline, mod, ctx)))
 
     return run, finalize_host, finalize_device
 

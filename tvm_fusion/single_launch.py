@@ -45,7 +45,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from . import launch_order
+from . import dependent_launch, launch_order
 
 COUNTER = "launch_counter"
 # TVM_FUSION_SINGLE_LAUNCH=0 builds every kernel as scheduled (an A/B switch).
@@ -272,12 +272,14 @@ def merge_launches(mod, _ctx):
 
 def _single_launch_pipeline(**kwargs):
     """TVM's s_tir pipeline with :func:`merge_launches` between its cross-thread
-    lowering (and ``launch_order``'s reversal of marked loops) and its host/device split."""
+    lowering (and ``launch_order``'s reversal of marked loops) and its host/device split,
+    then the launches overlapped where ``dependent_launch`` is switched on."""
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.SingleLaunchPipeline")
     def run(mod, ctx):
-        return launch_order.tail()(merge_launches(launch_order.lowered(pipeline, mod, ctx)))
+        merged = merge_launches(launch_order.lowered(pipeline, mod, ctx))
+        return launch_order.tail()(dependent_launch.overlap(merged))
 
     return run, finalize_host, finalize_device
 

@@ -1,0 +1,270 @@
+"""A function's launches overlapped with programmatic dependent launch
+(tvm_fusion.dependent_launch), switched on.
+
+Here: on hand-made launches, where each waits (before its first touch of what an
+earlier launch wrote, or of a write to what one read; at its end where it touches
+none; the first launch first of all), which ones let the next start (all but the last),
+and what is left alone (one launch, a cooperative launch, below sm_90, the switch
+off). On the gradient of 65536x1000 fp16 (three launches): the row kernel's loads and
+statistics come before its wait, the denominator after; every kernel is launched with
+the programmatic launch parameter; nvcc compiles it. On the GPU: the gradient and a
+BatchNorm forward with the switch on, poisoned outputs against float64, call after
+call on two streams and in a replayed CUDA graph."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import tvm
+from tvm import tirx
+
+import tvm_fusion as tf
+from helpers import has_gpu, torch_or_none
+from tvm_fusion import dependent_launch, grid_barrier, launch_order, targets
+from tvm_fusion.codegen import cuda_report, nvcc_path
+from tvm_fusion.kernel import build_kernel
+
+CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
+torch = torch_or_none()
+WAIT, TRIGGER = "griddepcontrol_wait", "griddepcontrol_launch_dependents"  # in the CUDA
+TIR_WAIT, TIR_TRIGGER = 'griddepcontrol("wait"', 'griddepcontrol("launch_dependents"'  # in the TIR
+
+
+def launch(blocks, body):
+    """A launch nest of ``blocks`` x 32 lanes around ``body(bx, tx)`` (statements)."""
+    bx, tx = tirx.Var("bx", "int32"), tirx.Var("tx", "int32")
+    block = tirx.IterVar(tvm.ir.Range(0, blocks), bx, tirx.IterVar.ThreadIndex, "blockIdx.x")
+    thread = tirx.IterVar(tvm.ir.Range(0, 32), tx, tirx.IterVar.ThreadIndex, "threadIdx.x")
+    stmts = body(bx, tx)
+    return tirx.AttrStmt(block, "thread_extent", blocks, tirx.AttrStmt(
+        thread, "thread_extent", 32, tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]))
+
+
+def func_of(*launches, params=None):
+    func = tirx.PrimFunc([], tirx.SeqStmt(list(launches)) if len(launches) > 1 else launches[0])
+    return func if params is None else func.with_attr(grid_barrier.LAUNCH_PARAMS, params)
+
+
+def kernel_lines(func):
+    """Each launch's statements (its printed lines, stripped), in order."""
+    top = list(func.body.seq)
+    return [[line.strip() for line in stmt.script().splitlines()] for stmt in top]
+
+
+def index(lines, text):
+    return next(i for i, line in enumerate(lines) if text in line)
+
+
+A, B, C, D = (tirx.decl_buffer((64,), "float32", name) for name in "abcd")
+
+
+def store(buf, value):
+    return lambda bx, tx: tirx.BufferStore(buf, value(bx, tx), [tx])
+
+
+def test_each_launch_waits_before_it_touches_what_an_earlier_one_wrote():
+    first = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]) * 2.0, [tx])])
+    # reads a (an input: no wait), stores c, then reads b (written by the first): the wait
+    second = launch(8, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(A, [tx]) + 1.0, [tx]),
+                                       tirx.BufferStore(D, tirx.BufferLoad(B, [tx]), [tx])])
+    third = launch(2, lambda bx, tx: [tirx.BufferStore(A, tirx.BufferLoad(D, [tx]), [tx])])  # a: read before
+    out = dependent_launch.overlapped(func_of(first, second, third), arch=90)
+    assert dependent_launch.TAG in list(out.attrs[grid_barrier.LAUNCH_PARAMS])
+    one, two, three = kernel_lines(out)
+    # the first waits first of all, then lets the next start
+    assert index(one, TIR_WAIT) < index(one, TIR_TRIGGER) < index(one, "b[tx] =")
+    # the second lets the third start, stores c before its wait, reads b after it
+    assert index(two, TIR_TRIGGER) < index(two, "c[tx] =") < index(two, TIR_WAIT) < index(two, "d[tx] = b[tx]")
+    # the last waits before it writes a, which the earlier launches read; no trigger
+    assert index(three, TIR_WAIT) < index(three, "a[tx] =") and not any(TIR_TRIGGER in line for line in three)
+
+
+def test_a_launch_that_touches_nothing_earlier_waits_at_its_end():
+    first = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
+    second = launch(4, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(A, [tx]), [tx])])
+    third = launch(4, lambda bx, tx: [tirx.BufferStore(D, tirx.BufferLoad(C, [tx]), [tx])])
+    _, two, _ = kernel_lines(dependent_launch.overlapped(func_of(first, second, third), arch=90))
+    # c's store, then the wait (the third reads c after its own wait, which covers only
+    # the second grid: the second ends after the first)
+    assert index(two, "c[tx] =") < index(two, TIR_WAIT) == max(i for i, line in enumerate(two) if TIR_WAIT in line)
+
+
+@pytest.mark.parametrize("case", ["one launch", "cooperative", "sm_80", "already"])
+def test_left_alone(case):
+    first = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
+    second = launch(4, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(B, [tx]), [tx])])
+    func = {"one launch": func_of(first), "cooperative": func_of(first, second, params=[grid_barrier.COOPERATIVE]),
+            "sm_80": func_of(first, second), "already": func_of(first, second, params=[dependent_launch.TAG])}[case]
+    out = dependent_launch.overlapped(func, arch=80 if case == "sm_80" else 90)
+    assert out.same_as(func)
+
+
+def test_the_switch_is_off_by_default():
+    code = ("import tvm_fusion as tf\nfrom tvm_fusion import dependent_launch, targets\n"
+            "from tvm_fusion.kernel import build_kernel\n"
+            "p = tf.make_problem('cross_entropy_grad', (65536, 1000), 'float16')\n"
+            "k = build_kernel(p, targets.resolve({'kind': 'cuda', 'arch': 'sm_90'}), 'cross_entropy_grad_warp_per_row_padded')\n"
+            "print(dependent_launch.ENABLED, 'griddepcontrol' in k.device_source())\n")
+    env = {k: v for k, v in os.environ.items() if k != "TVM_FUSION_DEPENDENT_LAUNCH"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split()[-2:] == ["False", "False"]
+
+
+@pytest.fixture
+def switched_on(monkeypatch):
+    monkeypatch.setattr(dependent_launch, "ENABLED", True)
+
+
+def gradient_kernels(source):
+    """The three kernels' bodies (definitions), in launch order."""
+    bodies = [b for b in source.split('extern "C" __global__')[1:] if "{" in b.split("\n")[0]]
+    return [[line.strip() for line in body.splitlines()] for body in bodies]
+
+
+def test_the_row_kernel_reads_its_rows_before_it_waits_for_the_denominator(switched_on):
+    problem = tf.make_problem("cross_entropy_grad", (65536, 1000), "float16")
+    kernel = build_kernel(problem, CUDA, "cross_entropy_grad_warp_per_row_padded")
+    targets_pass, rows, loss = gradient_kernels(kernel.device_source())
+    assert kernel.launches() == 3
+    assert index(targets_pass, WAIT) < index(targets_pass, TRIGGER) < index(targets_pass, "atomicAdd")
+    first_load = index(rows, "logits_ptr +")
+    assert index(rows, TRIGGER) < first_load < index(rows, "__shfl") < index(rows, WAIT) < index(rows, "denom_ptr[0]")
+    assert index(loss, WAIT) < index(loss, "row_loss_ptr[") and not any(TRIGGER in line for line in loss)
+
+
+def test_every_kernel_is_launched_programmatically(switched_on, monkeypatch):
+    found = {}
+    tail = launch_order.tail
+
+    def spy():
+        passes = tail()
+
+        def run(mod):
+            out = passes(mod)
+            for gvar, func in out.functions.items():
+                if gvar.name_hint.startswith("main_kernel"):
+                    found[gvar.name_hint] = list(func.attrs.get(grid_barrier.LAUNCH_PARAMS, []))
+            return out
+        return run
+    monkeypatch.setattr(launch_order, "tail", spy)
+    problem = tf.make_problem("cross_entropy_grad", (65536, 1000), "bfloat16")
+    build_kernel(problem, CUDA, "cross_entropy_grad_warp_per_row_padded")
+    assert len(found) == 3 and all(dependent_launch.TAG in params for params in found.values()), found
+
+
+def test_nvcc_compiles_the_overlapped_launches(switched_on):
+    if nvcc_path() is None:
+        pytest.skip("needs nvcc")
+    problem = tf.make_problem("cross_entropy_grad", (65536, 1000), "float16")
+    report = cuda_report(build_kernel(problem, CUDA, "cross_entropy_grad_warp_per_row_padded"))
+    assert report.ptx.count("griddepcontrol.wait") >= 3 and report.ptx.count("griddepcontrol.launch_dependents") == 2
+    assert not any(report.spill_bytes.values()), report.spill_bytes
+
+
+# -- on the GPU ---------------------------------------------------------------------------
+def on_two_streams_and_in_a_graph(call, reference, check, inputs):
+    """``call(*inputs)`` ten times on each of two streams and replayed in a CUDA graph
+    against ``reference(*inputs)``."""
+    streams = [torch.cuda.Stream(), torch.cuda.Stream()]
+    data = [inputs(k) for k in range(2)]
+    refs = [reference(*d) for d in data]
+    torch.cuda.synchronize()
+    results = [[], []]
+    for _ in range(10):
+        for k, stream in enumerate(streams):
+            with torch.cuda.stream(stream):
+                results[k].append(call(*data[k]))
+    torch.cuda.synchronize()
+    for k in range(2):
+        for got in results[k]:
+            check(got, refs[k])
+    static = [t.clone() for t in inputs(7)]
+    call(*static)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call(*static)
+    for seed in (20, 21):
+        for dst, src in zip(static, inputs(seed)):
+            dst.copy_(src)
+        graph.replay()
+        torch.cuda.synchronize()
+        check(captured, reference(*static))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, dtype", [((65536, 1000), "float16"), ((4096, 32000), "bfloat16"),
+                                          ((3000, 50257), "float16")])
+def test_overlapped_gradients_equal_float64_on_two_streams_and_in_a_graph(poisoned, switched_on, shape, dtype):
+    from tvm_fusion import records
+    import tvm_fusion.torch as tft
+
+    records.invalidate()  # dispatch's kernels built again, with the switch on
+
+    def inputs(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        logits = (torch.randn(shape, device="cuda", generator=gen) * 3).to(getattr(torch, dtype))
+        target = torch.randint(0, shape[1], (shape[0],), device="cuda", generator=gen)
+        target[::7] = -100
+        return logits, target
+
+    def call(logits, target):
+        x = logits.clone().requires_grad_()
+        loss = tft.cross_entropy(x, target, check_targets=False)
+        (grad,) = torch.autograd.grad(loss, x)
+        return loss.detach(), grad
+
+    def reference(logits, target):
+        x = logits.double().requires_grad_()
+        loss = torch.nn.functional.cross_entropy(x, target)
+        return loss.detach(), torch.autograd.grad(loss, x)[0]
+
+    def check(got, want):
+        tol = {"bfloat16": 1e-2, "float16": 2e-3}[dtype]
+        torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(got[1].double(), want[1], rtol=tol, atol=tol * float(want[1].abs().max()))
+
+    try:
+        on_two_streams_and_in_a_graph(call, reference, check, inputs)
+    finally:
+        records.invalidate()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
+@pytest.mark.parametrize("shape, dtype", [((64, 256, 56, 56), "float16"), ((256, 2048, 7, 7), "float16")])
+def test_overlapped_batch_norm_equals_float64_on_two_streams_and_in_a_graph(poisoned, switched_on, shape, dtype):
+    from tvm_fusion import records
+    import tvm_fusion.torch as tft
+
+    records.invalidate()
+
+    def inputs(seed):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        x = (torch.randn(shape, device="cuda", generator=gen) * 2 + 0.5).to(getattr(torch, dtype))
+        dy = torch.randn(shape, device="cuda", generator=gen).to(getattr(torch, dtype))
+        return x, dy
+
+    def call(x, dy):
+        leaf = x.clone().requires_grad_()
+        y = tft.batch_norm(leaf, None, None, training=True)
+        (dx,) = torch.autograd.grad(y, leaf, dy)
+        return y.detach(), dx
+
+    def reference(x, dy):
+        leaf = x.double().requires_grad_()
+        y = torch.nn.functional.batch_norm(leaf, None, None, training=True)
+        (dx,) = torch.autograd.grad(y, leaf, dy.double())
+        return y.detach(), dx
+
+    def check(got, want):
+        for g, w in zip(got, want):
+            torch.testing.assert_close(g.double(), w, rtol=2e-3, atol=2e-3 * float(w.abs().max()))
+
+    try:
+        on_two_streams_and_in_a_graph(call, reference, check, inputs)
+    finally:
+        records.invalidate()

@@ -1,0 +1,191 @@
+"""A function's launches overlapped: programmatic dependent launch (sm_90 and later).
+
+Why: a kernel of several launches (the cross entropy gradient's targets pass, its rows,
+its loss stage; BatchNorm's statistics, finalize and map) waits at each boundary for
+the whole previous grid to finish, then for the next grid to be launched. On the H200
+the gradient of 65536x1000 fp16 took 0.0732 ms where its row kernel alone took 65.6 us
+(CUPTI, rows of 2026-12-06 in results/benchmarks.csv): the small launches around it and
+their gaps are the rest. With a programmatic launch the next grid may start as soon as
+every block of the one before has said so (``griddepcontrol.launch_dependents``), and
+runs until it needs what that grid wrote (``griddepcontrol.wait``: every grid it
+depends on finished, its stores visible). The row kernel then reads its rows and takes
+their maximum and sum while the targets pass still runs, and waits only before it
+reads the mean's denominator.
+
+:func:`overlap` (a lowering pass, after ``single_launch``'s merge and before TVM splits
+host from device code) gives a function of two launches or more TVM's launch
+parameter ``tirx.use_programtic_dependent_launch`` (TVM's spelling: every launch of
+the function is made with ``CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION``)
+and, in each launch:
+
+1. ``griddepcontrol.wait`` before the first statement (of the innermost thread body,
+   or before it where a statement outside it does) that touches a global buffer an
+   earlier launch of the function writes, or writes one an earlier launch reads (a
+   ticket counter, taken with ``atomicAdd``, counts as written); at its end where no
+   statement does (a grid's wait covers only the grid just before it, so each grid
+   ends after the ones before it). The first launch waits first of all: the stream's
+   work before the call (a tensor that the call's outputs reuse, still read) is then
+   finished before any launch of the call starts.
+2. ``griddepcontrol.launch_dependents`` first (after the first launch's wait), in every
+   launch but the last: the next launch may start while this one runs; it waits
+   where (1) says. The last launch never lets the stream's next kernel in early.
+
+Why it is safe: a launch starts only after every block of the one before has passed
+its trigger, so after the first launch's wait, so after the work before the call; and
+each launch touches what the earlier ones wrote (or writes what they read) only after
+its wait, which returns when every earlier grid of the stream has finished (a grid
+finishes after its own wait). Functions launched cooperatively (``grid_barrier``) are
+left as they are.
+
+Off unless ``TVM_FUSION_DEPENDENT_LAUNCH=1`` (in the kernel cache's key): not yet timed
+or run on a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import tvm
+import tvm_ffi
+from tvm import tirx
+from tvm.ir.expr import TensorLoad
+
+from . import grid_barrier
+
+ENABLED = os.environ.get("TVM_FUSION_DEPENDENT_LAUNCH", "0") == "1"
+TAG = "tirx.use_programtic_dependent_launch"  # TVM 0.27's name for the launch parameter
+MIN_ARCH = 90
+
+
+def _ptx(action: str) -> tirx.Stmt:
+    from tvm.backend.cuda.ptx import PTXNamespace
+    return tirx.Evaluate(getattr(PTXNamespace().griddepcontrol, action)())
+
+
+def wait() -> tirx.Stmt:
+    """``griddepcontrol.wait``: every grid this one depends on finished, its stores visible."""
+    return _ptx("wait")
+
+
+def launch_dependents() -> tirx.Stmt:
+    """``griddepcontrol.launch_dependents``: this block lets the next grid start."""
+    return _ptx("launch_dependents")
+
+
+def _key(buffer) -> str:
+    return buffer.data.name if hasattr(buffer.data, "name") else str(buffer.data)
+
+
+def accesses(stmt: tirx.Stmt) -> tuple[set[str], set[str]]:
+    """(read, written) global buffers of ``stmt``, by their data's name; a buffer whose
+    address is taken (an atomic's) or a pointer handed to a call counts as both."""
+    reads: set[str] = set()
+    writes: set[str] = set()
+
+    def store(node):
+        if node.buffer.scope() == "global":
+            writes.add(_key(node.buffer))
+
+    def load(node):
+        if node.source.scope() == "global":
+            reads.add(_key(node.source))
+
+    def call(node):
+        if isinstance(node.op, tvm.ir.Op) and node.op.name == "tirx.address_of":
+            for arg in node.args:
+                if isinstance(arg, TensorLoad) and arg.source.scope() == "global":
+                    writes.add(_key(arg.source))
+        for arg in node.args:
+            ty = getattr(arg, "ty", None)
+            if isinstance(arg, tirx.Var) and isinstance(ty, tvm.ir.PointerType) \
+                    and ty.storage_scope in ("", "global"):
+                reads.add(arg.name)
+                writes.add(arg.name)
+
+    tvm_ffi.structural_walk(stmt, [(tirx.BufferStore, store), (TensorLoad, load), (tvm.ir.Call, call)])
+    return reads, writes
+
+
+def _thread_attr(stmt) -> bool:
+    return isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent"
+
+
+def _seq(stmts: list) -> tirx.Stmt:
+    return tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]
+
+
+def _statements(stmt) -> list:
+    return list(stmt.seq) if isinstance(stmt, tirx.SeqStmt) else [stmt]
+
+
+def _conflicts(stmt, earlier_reads: set[str], earlier_writes: set[str]) -> bool:
+    reads, writes = accesses(stmt)
+    return bool((reads | writes) & earlier_writes or writes & earlier_reads)
+
+
+def _rewrite(launch, earlier_reads, earlier_writes, first: bool, last: bool):
+    """``launch`` (a thread-attribute nest) with its wait and its trigger (module
+    docstring); and whether it waits."""
+    head = [launch_dependents()] if not last else []
+
+    def inner(nest):
+        """(nest with the wait placed under it, placed?) for the nest's statements."""
+        body = _statements(nest.body)
+        for i, stmt in enumerate(body):
+            if _thread_attr(stmt) and i == len(body) - 1:
+                new, placed = inner(stmt)
+                if placed:
+                    body[i] = new
+                    return tirx.AttrStmt(nest.node, nest.attr_key, nest.value, _seq(body)), True
+                break
+            if _conflicts(stmt, earlier_reads, earlier_writes):
+                body[i:i] = [wait()]
+                return tirx.AttrStmt(nest.node, nest.attr_key, nest.value, tirx.SeqStmt(body)), True
+        return nest, False
+
+    if first:
+        body = tirx.SeqStmt([wait(), *head, launch.body])
+        return tirx.AttrStmt(launch.node, launch.attr_key, launch.value, body), True
+    new, placed = inner(launch)
+    tail = [] if placed else [wait()]  # its end waits, so that its end implies the earlier ends
+    return tirx.AttrStmt(new.node, new.attr_key, new.value, _seq([*head, new.body, *tail])), placed
+
+
+def _arch(func: tirx.PrimFunc) -> int:
+    target = func.attrs.get("target") if func.attrs is not None else None
+    arch = str(target.attrs.get("arch", "")) if target is not None else ""
+    return int(arch[3:]) if arch.startswith("sm_") and arch[3:].isdigit() else 0
+
+
+def overlapped(func: tirx.PrimFunc, arch: int | None = None) -> tirx.PrimFunc:
+    """``func`` (lowered, launches merged) with its launches overlapped (module
+    docstring); as it is with fewer than two launches, when launched cooperatively,
+    or below sm_90."""
+    params = list(func.attrs.get(grid_barrier.LAUNCH_PARAMS, [])) if func.attrs is not None else []
+    if grid_barrier.COOPERATIVE in params or TAG in params:
+        return func
+    if (arch if arch is not None else _arch(func)) < MIN_ARCH:
+        return func
+    top = _statements(func.body)
+    launches = [i for i, stmt in enumerate(top) if _thread_attr(stmt) and stmt.node.thread_tag.startswith("blockIdx")]
+    if len(launches) < 2:
+        return func
+    reads: set[str] = set()
+    writes: set[str] = set()
+    for n, i in enumerate(launches):
+        launch_reads, launch_writes = accesses(top[i])
+        top[i], _ = _rewrite(top[i], reads, writes, first=n == 0, last=n == len(launches) - 1)
+        reads |= launch_reads
+        writes |= launch_writes
+    return func.with_body(tirx.SeqStmt(top)).with_attr(grid_barrier.LAUNCH_PARAMS, [*params, TAG])
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_fusion.DependentLaunch")
+def overlap(mod, _ctx):
+    """:func:`overlapped` on every function of ``mod`` when :data:`ENABLED`."""
+    if not ENABLED:
+        return mod
+    for gvar, func in list(mod.functions.items()):
+        if isinstance(func, tirx.PrimFunc):
+            mod[gvar] = overlapped(func)
+    return mod
