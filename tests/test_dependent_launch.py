@@ -23,6 +23,7 @@ import tvm_fusion as tf
 from helpers import has_gpu, torch_or_none
 from tvm_fusion import dependent_launch, grid_barrier, launch_order, targets
 from tvm_fusion.codegen import cuda_report, nvcc_path
+from tvm_fusion import kernel as kernel_module
 from tvm_fusion.kernel import build_kernel
 
 CUDA = targets.resolve({"kind": "cuda", "arch": "sm_90"})
@@ -135,6 +136,7 @@ def test_the_row_kernel_reads_its_rows_before_it_waits_for_the_denominator(switc
 
 
 def test_every_kernel_is_launched_programmatically(switched_on, monkeypatch):
+    monkeypatch.setattr(kernel_module, "_CACHE", {})  # built here, not fetched
     found = {}
     tail = launch_order.tail
 
@@ -268,3 +270,21 @@ def test_overlapped_batch_norm_equals_float64_on_two_streams_and_in_a_graph(pois
         on_two_streams_and_in_a_graph(call, reference, check, inputs)
     finally:
         records.invalidate()
+
+
+def test_a_pointer_handed_to_a_call_counts_as_read_and_written(monkeypatch):
+    """A call's pointer argument (cp.async's source prints as ``logits.data``, the key of
+    the buffer it points into) counts as both read and written."""
+    from tvm_fusion import single_launch
+
+    monkeypatch.setattr(kernel_module, "_CACHE", {})  # built here, not fetched
+    lowered = []
+    merge = single_launch.merge_launch_pairs
+    monkeypatch.setattr(single_launch, "merge_launch_pairs", lambda func: lowered.append(merge(func)) or lowered[-1])
+    problem = tf.make_problem("cross_entropy_grad", (4096, 32000), "float16")
+    build_kernel(problem, CUDA, "cross_entropy_grad_row_in_shared")
+    launches = [s for s in lowered[-1].body.seq if isinstance(s, tirx.AttrStmt)]
+    reads, writes = dependent_launch.accesses(launches[1])  # the rows: the row copied by cp.async
+    assert "logits.data" in reads and "logits.data" in writes and "dlogits.data" in writes
+    ptr = tirx.Var("p", tvm.ir.PointerType(tvm.ir.PrimType("float32")))
+    assert dependent_launch.accesses(tirx.Evaluate(tirx.call_extern("void", "touch", ptr))) == ({"p"}, {"p"})

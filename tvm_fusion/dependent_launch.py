@@ -73,7 +73,7 @@ def launch_dependents() -> tirx.Stmt:
 
 
 def _key(buffer) -> str:
-    return buffer.data.name if hasattr(buffer.data, "name") else str(buffer.data)
+    return str(buffer.data)  # "dlogits.data", an alias's too; a pointer argument prints the same
 
 
 def accesses(stmt: tirx.Stmt) -> tuple[set[str], set[str]]:
@@ -95,12 +95,11 @@ def accesses(stmt: tirx.Stmt) -> tuple[set[str], set[str]]:
             for arg in node.args:
                 if isinstance(arg, TensorLoad) and arg.source.scope() == "global":
                     writes.add(_key(arg.source))
-        for arg in node.args:
+        for arg in node.args:  # a copy's source (cp.async), or any pointer a call is handed
             ty = getattr(arg, "ty", None)
-            if isinstance(arg, tirx.Var) and isinstance(ty, tvm.ir.PointerType) \
-                    and ty.storage_scope in ("", "global"):
-                reads.add(arg.name)
-                writes.add(arg.name)
+            if isinstance(ty, tvm.ir.PointerType) and ty.storage_scope in ("", "global"):
+                reads.add(str(arg))
+                writes.add(str(arg))
 
     tvm_ffi.structural_walk(stmt, [(tirx.BufferStore, store), (TensorLoad, load), (tvm.ir.Call, call)])
     return reads, writes
