@@ -2,14 +2,16 @@
 (tvm_fusion.dependent_launch), switched on.
 
 Here: on hand-made launches, where each waits (before its first touch of what an
-earlier launch wrote, or of a write to what one read; at its end where it touches
-none; the first launch first of all), which ones let the next start (all but the last),
-and what is left alone (one launch, a cooperative launch, below sm_90, the switch
-off). On the gradient of 65536x1000 fp16 (three launches): the row kernel's loads and
-statistics come before its wait, the denominator after; every kernel is launched with
-the programmatic launch parameter; nvcc compiles it. On the GPU: the gradient and a
-BatchNorm forward with the switch on, poisoned outputs against float64, call after
-call on two streams and in a replayed CUDA graph."""
+earlier launch wrote, or of a write to what one read, a loop's as a whole; at its end
+where it touches none; the first launch first of all), which ones let the next start
+(all but the last), and what is left alone (one launch, a cooperative launch, below
+sm_90, a launch the walk cannot see, a function not asking, the switch off). Built:
+a call whose output is its input keeps its launches; on the gradient of 65536x1000
+fp16 (three launches) the row kernel's loads and statistics come before its wait,
+the denominator after; every kernel is launched with the programmatic launch
+parameter; nvcc compiles it. On the GPU: the gradient and BatchNorm's backward with
+the switch on (dispatch's kernels, asserted to overlap), poisoned outputs against
+float64, call after call on two streams and in a replayed CUDA graph."""
 
 import os
 import subprocess
@@ -32,6 +34,11 @@ WAIT, TRIGGER = "griddepcontrol_wait", "griddepcontrol_launch_dependents"  # in 
 TIR_WAIT, TIR_TRIGGER = 'griddepcontrol("wait"', 'griddepcontrol("launch_dependents"'  # in the TIR
 
 
+@pytest.fixture
+def switched_on(monkeypatch):
+    monkeypatch.setattr(dependent_launch, "ENABLED", True)
+
+
 def launch(blocks, body):
     """A launch nest of ``blocks`` x 32 lanes around ``body(bx, tx)`` (statements)."""
     bx, tx = tirx.Var("bx", "int32"), tirx.Var("tx", "int32")
@@ -42,8 +49,9 @@ def launch(blocks, body):
         thread, "thread_extent", 32, tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]))
 
 
-def func_of(*launches, params=None):
+def func_of(*launches, params=None, asked=True):
     func = tirx.PrimFunc([], tirx.SeqStmt(list(launches)) if len(launches) > 1 else launches[0])
+    func = func.with_attr(dependent_launch.ATTR, True) if asked else func
     return func if params is None else func.with_attr(grid_barrier.LAUNCH_PARAMS, params)
 
 
@@ -91,14 +99,54 @@ def test_a_launch_that_touches_nothing_earlier_waits_at_its_end():
     assert index(two, "c[tx] =") < index(two, TIR_WAIT) == max(i for i, line in enumerate(two) if TIR_WAIT in line)
 
 
-@pytest.mark.parametrize("case", ["one launch", "cooperative", "sm_80", "already"])
+def threads_only(body):
+    """A launch of one block: 32 lanes, no blockIdx attribute."""
+    tx = tirx.Var("tx", "int32")
+    thread = tirx.IterVar(tvm.ir.Range(0, 32), tx, tirx.IterVar.ThreadIndex, "threadIdx.x")
+    return tirx.AttrStmt(thread, "thread_extent", 32, body(tx))
+
+
+@pytest.mark.parametrize("case", ["one launch", "cooperative", "sm_80", "already", "not asked", "threads only"])
 def test_left_alone(case):
     first = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
     second = launch(4, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(B, [tx]), [tx])])
+    # a launch the walk would not see, between two it does: it reads b unguarded
+    middle = threads_only(lambda tx: tirx.BufferStore(D, tirx.BufferLoad(B, [tx]), [tx]))
     func = {"one launch": func_of(first), "cooperative": func_of(first, second, params=[grid_barrier.COOPERATIVE]),
-            "sm_80": func_of(first, second), "already": func_of(first, second, params=[dependent_launch.TAG])}[case]
+            "sm_80": func_of(first, second), "already": func_of(first, second, params=[dependent_launch.TAG]),
+            "not asked": func_of(first, second, asked=False), "threads only": func_of(first, middle, second)}[case]
     out = dependent_launch.overlapped(func, arch=80 if case == "sm_80" else 90)
     assert out.same_as(func)
+
+
+def test_a_conflict_inside_a_loop_waits_before_the_loop_and_writes_after_writes_wait():
+    i = tirx.Var("i", "int32")
+    first = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
+    # a loop whose second statement reads b: the wait goes before the whole loop
+    looped = launch(4, lambda bx, tx: [
+        tirx.BufferStore(C, tirx.BufferLoad(A, [tx]), [tx]),
+        tirx.For(i, 0, 4, tirx.ForKind.SERIAL, tirx.SeqStmt([
+            tirx.BufferStore(D, tirx.BufferLoad(A, [tx]), [tx]),
+            tirx.BufferStore(D, tirx.BufferLoad(B, [tx]) + tirx.Cast("float32", i), [tx])]))])
+    # writes b, which the first launch also writes: it waits before that store
+    rewrites = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(C, [tx]), [tx])])
+    _, two, three = kernel_lines(dependent_launch.overlapped(func_of(first, looped, rewrites), arch=90))
+    assert index(two, "c[tx] =") < index(two, TIR_WAIT) < index(two, "for i in")
+    assert index(three, TIR_WAIT) < index(three, "b[tx] =")
+
+
+def test_a_call_whose_output_is_its_input_is_not_overlapped(switched_on):
+    """The gradient written over the logits, and BatchNorm's forward, build as before."""
+    for problem, candidate in [
+            (tf.make_problem("cross_entropy_grad", (65536, 1000), "float16", in_place=True),
+             "cross_entropy_grad_block_per_row"),
+            (tf.make_problem("bn_forward", (64, 256, 56, 56), "bfloat16", layout="NHWC", training=True),
+             "bn_forward_channels_last")]:
+        kernel = build_kernel(problem, CUDA, candidate)
+        assert kernel.launches() == 3 and "griddepcontrol" not in kernel.device_source(), candidate
+    backward = build_kernel(tf.make_problem("bn_backward", (64, 256, 56, 56), "bfloat16", layout="NHWC"), CUDA,
+                            "bn_backward_channels_last")
+    assert backward.device_source().count("griddepcontrol_wait();") == 3
 
 
 def test_the_switch_is_off_by_default():
@@ -111,11 +159,6 @@ def test_the_switch_is_off_by_default():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.split()[-2:] == ["False", "False"]
-
-
-@pytest.fixture
-def switched_on(monkeypatch):
-    monkeypatch.setattr(dependent_launch, "ENABLED", True)
 
 
 def gradient_kernels(source):
@@ -196,6 +239,15 @@ def on_two_streams_and_in_a_graph(call, reference, check, inputs):
         check(captured, reference(*static))
 
 
+def assert_overlapped(problem):
+    """Dispatch's kernel for ``problem`` has several launches, overlapped."""
+    from tvm_fusion.dispatch import kernel_for
+
+    kernel = kernel_for(problem, targets.for_device("cuda"))
+    source = kernel.device_source()
+    assert kernel.launches() > 1 and source.count(WAIT + "();") == kernel.launches(), kernel.candidate
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
 @pytest.mark.parametrize("shape, dtype", [((65536, 1000), "float16"), ((4096, 32000), "bfloat16"),
@@ -205,6 +257,7 @@ def test_overlapped_gradients_equal_float64_on_two_streams_and_in_a_graph(poison
     import tvm_fusion.torch as tft
 
     records.invalidate()  # dispatch's kernels built again, with the switch on
+    assert_overlapped(tf.make_problem("cross_entropy_grad", shape, dtype))
 
     def inputs(seed):
         gen = torch.Generator(device="cuda").manual_seed(seed)
@@ -237,18 +290,25 @@ def test_overlapped_gradients_equal_float64_on_two_streams_and_in_a_graph(poison
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
-@pytest.mark.parametrize("shape, dtype", [((64, 256, 56, 56), "float16"), ((256, 2048, 7, 7), "float16")])
-def test_overlapped_batch_norm_equals_float64_on_two_streams_and_in_a_graph(poisoned, switched_on, shape, dtype):
+@pytest.mark.parametrize("shape, dtype, layout", [((256, 2048, 7, 7), "float16", "NCHW"),
+                                                  ((64, 256, 56, 56), "bfloat16", "NHWC"),
+                                                  ((32, 64, 112, 112), "float16", "NCHW")])
+def test_overlapped_batch_norm_backward_equals_float64_on_two_streams_and_in_a_graph(poisoned, switched_on, shape,
+                                                                                      dtype, layout):
+    """The forward keeps its launches (``dependent_launch.allowed``); the backward's three
+    (small_plane, channels_last, split_plane) overlap."""
     from tvm_fusion import records
     import tvm_fusion.torch as tft
 
     records.invalidate()
+    assert_overlapped(tf.make_problem("bn_backward", shape, dtype, layout=layout))
+    memory_format = torch.channels_last if layout == "NHWC" else torch.contiguous_format
 
     def inputs(seed):
         gen = torch.Generator(device="cuda").manual_seed(seed)
         x = (torch.randn(shape, device="cuda", generator=gen) * 2 + 0.5).to(getattr(torch, dtype))
         dy = torch.randn(shape, device="cuda", generator=gen).to(getattr(torch, dtype))
-        return x, dy
+        return x.contiguous(memory_format=memory_format), dy.contiguous(memory_format=memory_format)
 
     def call(x, dy):
         leaf = x.clone().requires_grad_()

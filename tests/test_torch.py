@@ -347,8 +347,9 @@ def test_batch_norm_past_two_to_the_31_elements_on_gpu():
     torch.testing.assert_close(x.grad[:, pick].double(), xs.grad, rtol=2e-3, atol=2e-3 * float(xs.grad.abs().max()))
     torch.testing.assert_close(weight.grad[pick].double(), ws.grad, rtol=1e-3, atol=1e-3 * float(ws.grad.abs().max()))
     torch.testing.assert_close(bias.grad[pick].double(), bs.grad, rtol=1e-3, atol=1e-3 * float(bs.grad.abs().max()))
-    torch.testing.assert_close(running_mean[pick].double(), rm, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(running_var[pick].double(), rv, rtol=1e-5, atol=1e-6)
+    # float32 sums of 8.7e6 values a channel: about 1e-7 x sqrt(n) of the spread
+    torch.testing.assert_close(running_mean[pick].double(), rm, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(running_var[pick].double(), rv, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.gpu

@@ -34,8 +34,13 @@ Why it is safe: a launch starts only after every block of the one before has pas
 its trigger, so after the first launch's wait, so after the work before the call; and
 each launch touches what the earlier ones wrote (or writes what they read) only after
 its wait, which returns when every earlier grid of the stream has finished (a grid
-finishes after its own wait). Functions launched cooperatively (``grid_barrier``) are
-left as they are.
+finishes after its own wait). Left as they are: functions launched cooperatively
+(``grid_barrier``), functions with a launch the walk does not see (bound to threads
+only, or nested in another statement), and calls whose outputs may be their inputs
+under another name (:func:`allowed`: the pass tells buffers apart by name). One
+assumption is outside the call: the kernel just before it on the stream, if it lets
+the call start early, has itself waited for the kernels before it (a kernel that
+triggers ``launch_dependents`` without ever waiting would break the chain).
 
 Off unless ``TVM_FUSION_DEPENDENT_LAUNCH=1`` (in the kernel cache's key): not yet timed
 or run on a GPU.
@@ -53,8 +58,19 @@ from tvm.ir.expr import TensorLoad
 from . import grid_barrier
 
 ENABLED = os.environ.get("TVM_FUSION_DEPENDENT_LAUNCH", "0") == "1"
+# The function attribute that asks for it, set by the build (``allowed``) on calls
+# whose outputs never share memory with their inputs.
+ATTR = "tvm_fusion_dependent_launch"
 TAG = "tirx.use_programtic_dependent_launch"  # TVM 0.27's name for the launch parameter
 MIN_ARCH = 90
+
+
+def allowed(problem) -> bool:
+    """Whether a call of ``problem`` may overlap its launches. The pass tells buffers
+    apart by name, so a call whose output is its input under another name is left out:
+    the gradient written over the logits, and BatchNorm's forward (its running
+    statistics are read and written through two parameters, often one tensor)."""
+    return not getattr(problem, "in_place", False) and problem.op != "bn_forward"
 
 
 def _ptx(action: str) -> tirx.Stmt:
@@ -151,9 +167,17 @@ def _rewrite(launch, earlier_reads, earlier_writes, first: bool, last: bool):
 
 
 def _arch(func: tirx.PrimFunc) -> int:
+    """The function's sm_ number (90 for sm_90 and sm_90a); 0 when it has none."""
     target = func.attrs.get("target") if func.attrs is not None else None
     arch = str(target.attrs.get("arch", "")) if target is not None else ""
-    return int(arch[3:]) if arch.startswith("sm_") and arch[3:].isdigit() else 0
+    digits = arch[3:len(arch) - len(arch[3:].lstrip("0123456789"))] if arch.startswith("sm_") else ""
+    return int(digits) if digits else 0
+
+
+def _has_launch(stmt: tirx.Stmt) -> bool:
+    found = []
+    tvm_ffi.structural_walk(stmt, [(tirx.AttrStmt, lambda node: found.append(node.attr_key == "thread_extent"))])
+    return any(found)
 
 
 def overlapped(func: tirx.PrimFunc, arch: int | None = None) -> tirx.PrimFunc:
@@ -161,14 +185,14 @@ def overlapped(func: tirx.PrimFunc, arch: int | None = None) -> tirx.PrimFunc:
     docstring); as it is with fewer than two launches, when launched cooperatively,
     or below sm_90."""
     params = list(func.attrs.get(grid_barrier.LAUNCH_PARAMS, [])) if func.attrs is not None else []
-    if grid_barrier.COOPERATIVE in params or TAG in params:
+    if grid_barrier.COOPERATIVE in params or TAG in params or not (func.attrs is not None and func.attrs.get(ATTR)):
         return func
     if (arch if arch is not None else _arch(func)) < MIN_ARCH:
         return func
     top = _statements(func.body)
     launches = [i for i, stmt in enumerate(top) if _thread_attr(stmt) and stmt.node.thread_tag.startswith("blockIdx")]
-    if len(launches) < 2:
-        return func
+    if len(launches) < 2 or any(_has_launch(stmt) for i, stmt in enumerate(top) if i not in launches):
+        return func  # a launch the walk would not see (one of threads only, or nested): left alone
     reads: set[str] = set()
     writes: set[str] = set()
     for n, i in enumerate(launches):
