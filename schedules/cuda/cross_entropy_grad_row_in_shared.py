@@ -24,8 +24,9 @@ workspace); rows over 112 KB (one block per SM would hide no latency: those go t
 ``cross_entropy_grad_online``).
 
 Dispatched for rows of 1000 values to 112 KB read with 16-byte vectors once the batch
-fills the GPU (``prefers``: H200 measurements there), and for rows of 64 KB and more
-on fewer rows than three quarters of the SMs (H100 measurements there). With a scalar row (V odd in
+fills the GPU (``prefers``: H200 measurements there), and for fp16 and bf16 rows of
+32000 values and more on fewer rows than three quarters of the SMs (H100 measurements
+there). With a scalar row (V odd in
 fp16/bf16) it is slow: 16384x50257 bf16 took 2.47-8.0 ms, 3.2x the floor and more
 (knob sweep at 7f25795).
 """
@@ -46,8 +47,8 @@ from ..common import (
 from .common import grad_map, merge_grad_rows, reads_16_bytes, schedule_grad_batch_stage, schedule_grad_prologue
 from .cross_entropy_row_in_shared import CrossEntropyRowInShared, RowInSharedKnobs
 
-# Few rows: at most this fraction of the SMs' count, rows of at least FEW_ROW_BYTES
-# (``prefers``).
+# Few rows: at most this fraction of the SMs' count, rows of fp16 or bf16 values of at
+# least FEW_ROW_BYTES (32000 values), the rows timed (``prefers``).
 FEW_ROWS = 0.75
 FEW_ROW_BYTES = 64000
 
@@ -75,9 +76,10 @@ class CrossEntropyGradRowInShared(Candidate):
         # us: 1x32000 fp16 6.90 / 7.95, 8x32000 fp16 9.25 / 10.65, 32x32000 bf16
         # 10.68 / 16.82, 64x32000 fp16 11.50 / 12.01, 64x32000 bf16 11.81 / 17.55,
         # 96x32000 fp16 12.91 / 13.47, 16x50304 bf16 12.83 / 16.67, 64x50304 bf16
-        # 15.20 / 18.18; but 128x32000 fp16 14.10 / 13.54. Rows under 64 KB untimed.
+        # 15.20 / 18.18; but 128x32000 fp16 14.10 / 13.54. Shorter rows and float32
+        # rows untimed: left as they were.
         sms = sm_count(target)
-        few = (problem.batch <= FEW_ROWS * sms
+        few = (problem.batch <= FEW_ROWS * sms and DTYPE_BYTES[problem.dtype] == 2
                and problem.classes * DTYPE_BYTES[problem.dtype] >= FEW_ROW_BYTES)
         return (reads_16_bytes(problem.dtype, problem.classes) and problem.classes >= 1000
                 and (problem.batch >= 2 * sms or few))

@@ -50,7 +50,7 @@ shape                block_per_row   row_targets  row_in_shared    row_in_shared
 ===================  ==============  ===========  ===============  ==============  ===========
 
 One launch fewer is 0.7-2.5 us on every shape. Which twin: ``row_in_shared``'s
-preference (its ``prefers``) takes rows of 64 KB and more on batches up to three
+preference (its ``prefers``) takes fp16 and bf16 rows of 32000 values and more on batches up to three
 quarters of the SMs, where its twin was the fastest on every shape timed (rows of
 2026-12-07T09:05-09:08Z, 1 to 96 rows of 32000 and 16 to 64 of 50304: 64x32000 bf16
 11.81 us against ``row_targets``' 17.55, 96x32000 fp16 12.91 against 13.47), and
