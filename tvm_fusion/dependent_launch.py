@@ -36,8 +36,9 @@ each launch touches what the earlier ones wrote (or writes what they read) only 
 its wait, which returns when every earlier grid of the stream has finished (a grid
 finishes after its own wait). Left as they are: functions launched cooperatively
 (``grid_barrier``), functions with a launch the walk does not see (bound to threads
-only, or nested in another statement), and calls whose outputs may be their inputs
-under another name (:func:`allowed`: the pass tells buffers apart by name). One
+only, or nested in another statement), and functions the build did not ask for it
+(:func:`asked`, which names the parameters that may be one buffer: the pass tells
+buffers apart by name, and takes each such pair as one). One
 assumption is outside the call: the kernel just before it on the stream, if it lets
 the call start early, has itself waited for the kernels before it (a kernel that
 triggers ``launch_dependents`` without ever waiting would break the chain).
@@ -58,19 +59,30 @@ from tvm.ir.expr import TensorLoad
 from . import grid_barrier
 
 ENABLED = os.environ.get("TVM_FUSION_DEPENDENT_LAUNCH", "0") == "1"
-# The function attribute that asks for it, set by the build (``allowed``) on calls
-# whose outputs never share memory with their inputs.
-ATTR = "tvm_fusion_dependent_launch"
+# The function attribute that asks for it, set by the build.
+ATTR = "tvm_fusion_dependent_launch"  # its value: the aliased parameters (``asked``)
 TAG = "tirx.use_programtic_dependent_launch"  # TVM 0.27's name for the launch parameter
 MIN_ARCH = 90
 
 
-def allowed(problem) -> bool:
-    """Whether a call of ``problem`` may overlap its launches. The pass tells buffers
-    apart by name, so a call whose output is its input under another name is left out:
-    the gradient written over the logits, and BatchNorm's forward (its running
-    statistics are read and written through two parameters, often one tensor)."""
-    return not getattr(problem, "in_place", False) and problem.op != "bn_forward"
+def aliases(problem) -> dict[str, str]:
+    """The outputs of a call of ``problem`` that may be one of its inputs, each to that
+    input, by parameter name: the gradient written over the logits, and BatchNorm's
+    running statistics (read and written through two parameters, often one tensor).
+    The pass tells buffers apart by name; these pairs it takes as one buffer."""
+    if getattr(problem, "in_place", False):
+        return {"dlogits": "logits"}
+    if problem.op == "bn_forward":
+        return {"running_mean_out": "running_mean", "running_var_out": "running_var"}
+    return {}
+
+
+def asked(mod: tvm.IRModule, problem) -> tvm.IRModule:
+    """``mod`` (the build's) with each function asking for the pass, and naming
+    ``problem``'s aliased parameters (:func:`aliases`) as ``"output=input"`` pairs."""
+    pairs = [f"{out}={inp}" for out, inp in aliases(problem).items()]
+    return tvm.IRModule({gvar: func.with_attr(ATTR, pairs) if isinstance(func, tirx.PrimFunc) else func
+                         for gvar, func in mod.functions.items()})
 
 
 def _ptx(action: str) -> tirx.Stmt:
@@ -92,9 +104,10 @@ def _key(buffer) -> str:
     return str(buffer.data)  # "dlogits.data", an alias's too; a pointer argument prints the same
 
 
-def accesses(stmt: tirx.Stmt) -> tuple[set[str], set[str]]:
-    """(read, written) global buffers of ``stmt``, by their data's name; a buffer whose
-    address is taken (an atomic's) or a pointer handed to a call counts as both."""
+def accesses(stmt: tirx.Stmt, same: dict[str, str] | None = None) -> tuple[set[str], set[str]]:
+    """(read, written) global buffers of ``stmt``, by their data's name (an aliased
+    output's as its input's, ``same``); a buffer whose address is taken (an atomic's) or
+    a pointer handed to a call counts as both."""
     reads: set[str] = set()
     writes: set[str] = set()
 
@@ -118,7 +131,8 @@ def accesses(stmt: tirx.Stmt) -> tuple[set[str], set[str]]:
                 writes.add(str(arg))
 
     tvm_ffi.structural_walk(stmt, [(tirx.BufferStore, store), (TensorLoad, load), (tvm.ir.Call, call)])
-    return reads, writes
+    same = same or {}
+    return {same.get(k, k) for k in reads}, {same.get(k, k) for k in writes}
 
 
 def _thread_attr(stmt) -> bool:
@@ -133,12 +147,12 @@ def _statements(stmt) -> list:
     return list(stmt.seq) if isinstance(stmt, tirx.SeqStmt) else [stmt]
 
 
-def _conflicts(stmt, earlier_reads: set[str], earlier_writes: set[str]) -> bool:
-    reads, writes = accesses(stmt)
+def _conflicts(stmt, earlier_reads: set[str], earlier_writes: set[str], same: dict[str, str]) -> bool:
+    reads, writes = accesses(stmt, same)
     return bool((reads | writes) & earlier_writes or writes & earlier_reads)
 
 
-def _rewrite(launch, earlier_reads, earlier_writes, first: bool, last: bool):
+def _rewrite(launch, earlier_reads, earlier_writes, same, first: bool, last: bool):
     """``launch`` (a thread-attribute nest) with its wait and its trigger (module
     docstring); and whether it waits."""
     head = [launch_dependents()] if not last else []
@@ -153,7 +167,7 @@ def _rewrite(launch, earlier_reads, earlier_writes, first: bool, last: bool):
                     body[i] = new
                     return tirx.AttrStmt(nest.node, nest.attr_key, nest.value, _seq(body)), True
                 break
-            if _conflicts(stmt, earlier_reads, earlier_writes):
+            if _conflicts(stmt, earlier_reads, earlier_writes, same):
                 body[i:i] = [wait()]
                 return tirx.AttrStmt(nest.node, nest.attr_key, nest.value, tirx.SeqStmt(body)), True
         return nest, False
@@ -185,8 +199,9 @@ def overlapped(func: tirx.PrimFunc, arch: int | None = None) -> tirx.PrimFunc:
     docstring); as it is with fewer than two launches, when launched cooperatively,
     or below sm_90."""
     params = list(func.attrs.get(grid_barrier.LAUNCH_PARAMS, [])) if func.attrs is not None else []
-    if grid_barrier.COOPERATIVE in params or TAG in params or not (func.attrs is not None and func.attrs.get(ATTR)):
+    if grid_barrier.COOPERATIVE in params or TAG in params or func.attrs is None or ATTR not in func.attrs:
         return func
+    same = {f"{out}.data": f"{inp}.data" for out, inp in (str(pair).split("=") for pair in func.attrs[ATTR])}
     if (arch if arch is not None else _arch(func)) < MIN_ARCH:
         return func
     top = _statements(func.body)
@@ -196,8 +211,8 @@ def overlapped(func: tirx.PrimFunc, arch: int | None = None) -> tirx.PrimFunc:
     reads: set[str] = set()
     writes: set[str] = set()
     for n, i in enumerate(launches):
-        launch_reads, launch_writes = accesses(top[i])
-        top[i], _ = _rewrite(top[i], reads, writes, first=n == 0, last=n == len(launches) - 1)
+        launch_reads, launch_writes = accesses(top[i], same)
+        top[i], _ = _rewrite(top[i], reads, writes, same, first=n == 0, last=n == len(launches) - 1)
         reads |= launch_reads
         writes |= launch_writes
     return func.with_body(tirx.SeqStmt(top)).with_attr(grid_barrier.LAUNCH_PARAMS, [*params, TAG])

@@ -292,9 +292,8 @@ def build_kernel(
         mod = sch.mod
     with target:
         compiled = compiled_form(mod, problem, input_shapes, workspace=WORKSPACE_PARAMS and target.kind.name == "cuda")
-        if dependent_launch.ENABLED and dependent_launch.allowed(problem):
-            compiled = tvm.IRModule({gvar: func.with_attr(dependent_launch.ATTR, True) if isinstance(func, tvm.tirx.PrimFunc)
-                                     else func for gvar, func in compiled.functions.items()})
+        if dependent_launch.ENABLED:
+            compiled = dependent_launch.asked(compiled, problem)
         pipeline = launch_order.PIPELINE
         if target.kind.name == "cuda" and problem.op in SINGLE_LAUNCH_OPS and single_launch.ENABLED:
             compiled, pipeline = single_launch.with_launch_counter(compiled), single_launch.PIPELINE
