@@ -196,7 +196,8 @@ def _has_launch(stmt: tirx.Stmt) -> bool:
 
 def overlapped(func: tirx.PrimFunc, arch: int | None = None) -> tirx.PrimFunc:
     """``func`` (lowered, launches merged) with its launches overlapped (module
-    docstring); as it is with fewer than two launches, when launched cooperatively,
+    docstring); as it is when the build did not ask (:func:`asked`), with fewer than
+    two launches, with a launch the walk would not see, when launched cooperatively,
     or below sm_90."""
     params = list(func.attrs.get(grid_barrier.LAUNCH_PARAMS, [])) if func.attrs is not None else []
     if grid_barrier.COOPERATIVE in params or TAG in params or func.attrs is None or ATTR not in func.attrs:
