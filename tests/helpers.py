@@ -279,3 +279,17 @@ def _shipped_problems() -> list:
             problem = problem_of(func)
             found[problem.key()] = problem
     return [found[key] for key in sorted(found)]
+
+
+def launch(blocks, threads, body):
+    """A launch nest of ``blocks`` x ``threads`` (1-D each) around ``body(bx, tx)``: a
+    statement, or a list of them."""
+    from tvm import tirx
+
+    bx, tx = tirx.Var("bx", "int32"), tirx.Var("tx", "int32")
+    block = tirx.IterVar(tvm.ir.Range(0, blocks), bx, tirx.IterVar.ThreadIndex, "blockIdx.x")
+    thread = tirx.IterVar(tvm.ir.Range(0, threads), tx, tirx.IterVar.ThreadIndex, "threadIdx.x")
+    stmts = body(bx, tx)
+    if isinstance(stmts, list):
+        stmts = tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]
+    return tirx.AttrStmt(block, "thread_extent", blocks, tirx.AttrStmt(thread, "thread_extent", threads, stmts))

@@ -24,7 +24,7 @@ import tvm
 from tvm import tirx
 
 import tvm_fusion as tf
-from helpers import has_gpu, torch_or_none
+from helpers import has_gpu, launch, torch_or_none
 from tvm_fusion import dependent_launch, grid_barrier, launch_order, targets
 from tvm_fusion.codegen import cuda_report, nvcc_path
 from tvm_fusion import kernel as kernel_module
@@ -39,16 +39,6 @@ TIR_WAIT, TIR_TRIGGER = 'griddepcontrol("wait"', 'griddepcontrol("launch_depende
 @pytest.fixture
 def switched_on(monkeypatch):
     monkeypatch.setattr(dependent_launch, "ENABLED", True)
-
-
-def launch(blocks, body):
-    """A launch nest of ``blocks`` x 32 lanes around ``body(bx, tx)`` (statements)."""
-    bx, tx = tirx.Var("bx", "int32"), tirx.Var("tx", "int32")
-    block = tirx.IterVar(tvm.ir.Range(0, blocks), bx, tirx.IterVar.ThreadIndex, "blockIdx.x")
-    thread = tirx.IterVar(tvm.ir.Range(0, 32), tx, tirx.IterVar.ThreadIndex, "threadIdx.x")
-    stmts = body(bx, tx)
-    return tirx.AttrStmt(block, "thread_extent", blocks, tirx.AttrStmt(
-        thread, "thread_extent", 32, tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]))
 
 
 def func_of(*launches, params=None, asked=True, aliases=()):
@@ -75,11 +65,11 @@ def store(buf, value):
 
 
 def test_each_launch_waits_before_it_touches_what_an_earlier_one_wrote():
-    first = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]) * 2.0, [tx])])
+    first = launch(4, 32, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]) * 2.0, [tx])])
     # reads a (an input: no wait), stores c, then reads b (written by the first): the wait
-    second = launch(8, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(A, [tx]) + 1.0, [tx]),
+    second = launch(8, 32, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(A, [tx]) + 1.0, [tx]),
                                        tirx.BufferStore(D, tirx.BufferLoad(B, [tx]), [tx])])
-    third = launch(2, lambda bx, tx: [tirx.BufferStore(A, tirx.BufferLoad(D, [tx]), [tx])])  # a: read before
+    third = launch(2, 32, lambda bx, tx: [tirx.BufferStore(A, tirx.BufferLoad(D, [tx]), [tx])])  # a: read before
     out = dependent_launch.overlapped(func_of(first, second, third), arch=90)
     assert dependent_launch.TAG in list(out.attrs[grid_barrier.LAUNCH_PARAMS])
     one, two, three = kernel_lines(out)
@@ -92,9 +82,9 @@ def test_each_launch_waits_before_it_touches_what_an_earlier_one_wrote():
 
 
 def test_a_launch_that_touches_nothing_earlier_waits_at_its_end():
-    first = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
-    second = launch(4, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(A, [tx]), [tx])])
-    third = launch(4, lambda bx, tx: [tirx.BufferStore(D, tirx.BufferLoad(C, [tx]), [tx])])
+    first = launch(4, 32, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
+    second = launch(4, 32, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(A, [tx]), [tx])])
+    third = launch(4, 32, lambda bx, tx: [tirx.BufferStore(D, tirx.BufferLoad(C, [tx]), [tx])])
     _, two, _ = kernel_lines(dependent_launch.overlapped(func_of(first, second, third), arch=90))
     # c's store, then the wait (the third reads c after its own wait, which covers only
     # the second grid: the second ends after the first)
@@ -110,8 +100,8 @@ def threads_only(body):
 
 @pytest.mark.parametrize("case", ["one launch", "cooperative", "sm_80", "already", "not asked", "threads only"])
 def test_left_alone(case):
-    first = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
-    second = launch(4, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(B, [tx]), [tx])])
+    first = launch(4, 32, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
+    second = launch(4, 32, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(B, [tx]), [tx])])
     # a launch the walk would not see, between two it does: it reads b unguarded
     middle = threads_only(lambda tx: tirx.BufferStore(D, tirx.BufferLoad(B, [tx]), [tx]))
     func = {"one launch": func_of(first), "cooperative": func_of(first, second, params=[grid_barrier.COOPERATIVE]),
@@ -123,15 +113,15 @@ def test_left_alone(case):
 
 def test_a_conflict_inside_a_loop_waits_before_the_loop_and_writes_after_writes_wait():
     i = tirx.Var("i", "int32")
-    first = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
+    first = launch(4, 32, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
     # a loop whose second statement reads b: the wait goes before the whole loop
-    looped = launch(4, lambda bx, tx: [
+    looped = launch(4, 32, lambda bx, tx: [
         tirx.BufferStore(C, tirx.BufferLoad(A, [tx]), [tx]),
         tirx.For(i, 0, 4, tirx.ForKind.SERIAL, tirx.SeqStmt([
             tirx.BufferStore(D, tirx.BufferLoad(A, [tx]), [tx]),
             tirx.BufferStore(D, tirx.BufferLoad(B, [tx]) + tirx.Cast("float32", i), [tx])]))])
     # writes b, which the first launch also writes: it waits before that store
-    rewrites = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(C, [tx]), [tx])])
+    rewrites = launch(4, 32, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(C, [tx]), [tx])])
     _, two, three = kernel_lines(dependent_launch.overlapped(func_of(first, looped, rewrites), arch=90))
     assert index(two, "c[tx] =") < index(two, TIR_WAIT) < index(two, "for i in")
     assert index(three, TIR_WAIT) < index(three, "b[tx] =")
@@ -141,8 +131,8 @@ def test_an_output_that_may_be_an_input_counts_as_that_input():
     """The build names such pairs (``e=a``): a later launch writing e waits before it,
     since an earlier one reads a; without the pair, e looks like a buffer of its own."""
     E = tirx.decl_buffer((64,), "float32", "e")
-    first = launch(4, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
-    second = launch(4, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(D, [tx]), [tx]),
+    first = launch(4, 32, lambda bx, tx: [tirx.BufferStore(B, tirx.BufferLoad(A, [tx]), [tx])])
+    second = launch(4, 32, lambda bx, tx: [tirx.BufferStore(C, tirx.BufferLoad(D, [tx]), [tx]),
                                        tirx.BufferStore(E, tirx.BufferLoad(D, [tx]), [tx])])
     _, paired = kernel_lines(dependent_launch.overlapped(func_of(first, second, aliases=["e=a"]), arch=90))
     assert index(paired, "c[tx] =") < index(paired, TIR_WAIT) < index(paired, "e[tx] =")

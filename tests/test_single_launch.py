@@ -9,11 +9,10 @@ import re
 
 import numpy as np
 import pytest
-import tvm
 from tvm import tirx
 
 import tvm_fusion as tf
-from helpers import has_gpu, torch_or_none
+from helpers import has_gpu, launch, torch_or_none
 from tvm_fusion import single_launch, targets
 from tvm_fusion.kernel import build_kernel
 from tvm_fusion.registry import get
@@ -121,15 +120,6 @@ def test_the_gradients_loss_stage_runs_in_the_row_kernels_last_block():
     assert not cpu.counted
     bn = tf.build("bn_forward", (8, 16, 8, 8), "float16", target=CUDA)
     assert not bn.counted
-
-
-def launch(blocks, threads, store):
-    """A launch nest of ``blocks`` x ``threads`` (1-D each) around ``store(bx, tx)``."""
-    bx, tx = tirx.Var("bx", "int32"), tirx.Var("tx", "int32")
-    block = tirx.IterVar(tvm.ir.Range(0, blocks), bx, tirx.IterVar.ThreadIndex, "blockIdx.x")
-    thread = tirx.IterVar(tvm.ir.Range(0, threads), tx, tirx.IterVar.ThreadIndex, "threadIdx.x")
-    return tirx.AttrStmt(block, "thread_extent", blocks,
-                         tirx.AttrStmt(thread, "thread_extent", threads, store(bx, tx)))
 
 
 @pytest.mark.parametrize("blocks, tickets", [

@@ -49,6 +49,7 @@ from collections.abc import Callable
 from typing import Any
 
 import tvm
+import tvm_ffi
 from tvm import s_tir, tirx
 from tvm.ir.expr import TensorLoad
 
@@ -170,11 +171,21 @@ def _check(stmt: tirx.Stmt, name: str) -> None:
 RAW_COPY = "tirx.s_tir.cp_async_raw"  # the op InjectPTXAsyncCopy emits
 
 
+def _is_raw_copy(call: tvm.ir.Call) -> bool:
+    return isinstance(call.op, tvm.ir.Op) and call.op.name == RAW_COPY
+
+
 def _raw_copy(stmt: tirx.Stmt) -> tvm.ir.Call | None:
-    if isinstance(stmt, tirx.Evaluate) and isinstance(stmt.value, tvm.ir.Call) \
-            and isinstance(stmt.value.op, tvm.ir.Op) and stmt.value.op.name == RAW_COPY:
+    if isinstance(stmt, tirx.Evaluate) and isinstance(stmt.value, tvm.ir.Call) and _is_raw_copy(stmt.value):
         return stmt.value
     return None
+
+
+def _copies_anywhere(func: tirx.PrimFunc) -> int:
+    """How many raw copies ``func`` holds, wherever they sit."""
+    found: list = []
+    tvm_ffi.structural_walk(func.body, [(tvm.ir.Call, lambda call: found.append(_is_raw_copy(call)))])
+    return sum(found)
 
 
 def _wide(call: tvm.ir.Call) -> bool:
@@ -204,7 +215,7 @@ def wide_sources(mod: tvm.IRModule) -> tvm.IRModule:
     for gvar, func in list(mod.functions.items()):
         if not isinstance(func, tirx.PrimFunc):
             continue
-        copies = func.script().count("cp_async_raw(")
+        copies = _copies_anywhere(func)
         if not copies:
             continue
         func = func.with_body(_offset_source(func.body))

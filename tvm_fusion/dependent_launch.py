@@ -56,7 +56,8 @@ import tvm_ffi
 from tvm import tirx
 from tvm.ir.expr import TensorLoad
 
-from . import grid_barrier
+from . import grid_barrier, targets
+from .stmts import thread_attr
 
 ENABLED = os.environ.get("TVM_FUSION_DEPENDENT_LAUNCH", "0") == "1"
 # The function attribute that asks for it, set by the build.
@@ -135,10 +136,6 @@ def accesses(stmt: tirx.Stmt, same: dict[str, str] | None = None) -> tuple[set[s
     return {same.get(k, k) for k in reads}, {same.get(k, k) for k in writes}
 
 
-def _thread_attr(stmt) -> bool:
-    return isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent"
-
-
 def _seq(stmts: list) -> tirx.Stmt:
     return tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]
 
@@ -161,7 +158,7 @@ def _rewrite(launch, earlier_reads, earlier_writes, same, first: bool, last: boo
         """(nest with the wait placed under it, placed?) for the nest's statements."""
         body = _statements(nest.body)
         for i, stmt in enumerate(body):
-            if _thread_attr(stmt) and i == len(body) - 1:
+            if thread_attr(stmt) and i == len(body) - 1:
                 new, placed = inner(stmt)
                 if placed:
                     body[i] = new
@@ -181,16 +178,14 @@ def _rewrite(launch, earlier_reads, earlier_writes, same, first: bool, last: boo
 
 
 def _arch(func: tirx.PrimFunc) -> int:
-    """The function's sm_ number (90 for sm_90 and sm_90a); 0 when it has none."""
+    """The function's sm_ number; 0 when it has no target."""
     target = func.attrs.get("target") if func.attrs is not None else None
-    arch = str(target.attrs.get("arch", "")) if target is not None else ""
-    digits = arch[3:len(arch) - len(arch[3:].lstrip("0123456789"))] if arch.startswith("sm_") else ""
-    return int(digits) if digits else 0
+    return targets.arch_number(target) if target is not None else 0
 
 
 def _has_launch(stmt: tirx.Stmt) -> bool:
     found = []
-    tvm_ffi.structural_walk(stmt, [(tirx.AttrStmt, lambda node: found.append(node.attr_key == "thread_extent"))])
+    tvm_ffi.structural_walk(stmt, [(tirx.AttrStmt, lambda node: found.append(thread_attr(node)))])
     return any(found)
 
 
@@ -206,7 +201,7 @@ def overlapped(func: tirx.PrimFunc, arch: int | None = None) -> tirx.PrimFunc:
     if (arch if arch is not None else _arch(func)) < MIN_ARCH:
         return func
     top = _statements(func.body)
-    launches = [i for i, stmt in enumerate(top) if _thread_attr(stmt) and stmt.node.thread_tag.startswith("blockIdx")]
+    launches = [i for i, stmt in enumerate(top) if thread_attr(stmt, "blockIdx")]
     if len(launches) < 2 or any(_has_launch(stmt) for i, stmt in enumerate(top) if i not in launches):
         return func  # a launch the walk would not see (one of threads only, or nested): left alone
     reads: set[str] = set()

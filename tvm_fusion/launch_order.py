@@ -185,8 +185,9 @@ def marked_loops(mod: tvm.IRModule, _ctx: Any) -> tvm.IRModule:
 
 
 def tail() -> tvm.transform.Pass:
-    """The ``s_tir`` pipeline's passes after its lowering (:data:`TAIL`), in order."""
-    return tvm.transform.Sequential(_tail_passes())
+    """The launches overlapped where ``dependent_launch`` is switched on, then the
+    ``s_tir`` pipeline's passes after its lowering (:data:`TAIL`), in order."""
+    return tvm.transform.Sequential([dependent_launch.overlap, *_tail_passes()])
 
 
 def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IRModule:
@@ -226,13 +227,12 @@ def lowered(pipeline: tvm.transform.Pass, mod: tvm.IRModule, ctx: Any) -> tvm.IR
 
 
 def _pipeline(**kwargs):
-    """TVM's s_tir pipeline with :func:`marked_loops` before its host/device split, and
-    the launches overlapped where ``dependent_launch`` is switched on."""
+    """TVM's s_tir pipeline with :func:`marked_loops` before its host/device split."""
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.Pipeline")
     def run(mod, ctx):
-        return tail()(dependent_launch.overlap(lowered(pipeline, mod, ctx)))
+        return tail()(lowered(pipeline, mod, ctx))
 
     return run, finalize_host, finalize_device
 

@@ -45,7 +45,8 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from . import dependent_launch, launch_order
+from . import launch_order
+from .stmts import thread_attr
 
 COUNTER = "launch_counter"
 # TVM_FUSION_SINGLE_LAUNCH=0 builds every kernel as scheduled (an A/B switch).
@@ -72,9 +73,6 @@ def _counter(func: tirx.PrimFunc) -> tirx.Buffer | None:
     return last if last is not None and last.name == COUNTER else None
 
 
-def _thread_attr(stmt, prefix: str):
-    return (isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent"
-            and stmt.node.thread_tag.startswith(prefix))
 
 
 def _launch_nest(launch):
@@ -83,16 +81,16 @@ def _launch_nest(launch):
     when it is not that shape."""
     blocks, threads, stmt = [], [], launch
     while True:
-        if _thread_attr(stmt, "blockIdx") and not threads:
+        if thread_attr(stmt, "blockIdx") and not threads:
             blocks.append((stmt.node.thread_tag, stmt.node.var, int(stmt.value)))
-        elif _thread_attr(stmt, "threadIdx"):
+        elif thread_attr(stmt, "threadIdx"):
             threads.append((stmt.node.thread_tag, stmt.node.var, int(stmt.value)))
         else:
             return None
         body = stmt.body
         seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
         last = seq[-1]
-        if _thread_attr(last, "blockIdx") or _thread_attr(last, "threadIdx"):
+        if thread_attr(last, "blockIdx") or thread_attr(last, "threadIdx"):
             if any(isinstance(s, tirx.AttrStmt) and s.attr_key == "thread_extent" for s in seq[:-1]):
                 return None
             stmt = last
@@ -113,7 +111,7 @@ def _replace_innermost(stmt, new_body):
     body = stmt.body
     seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
     last = seq[-1]
-    if _thread_attr(last, "blockIdx") or _thread_attr(last, "threadIdx"):
+    if thread_attr(last, "blockIdx") or thread_attr(last, "threadIdx"):
         seq[-1] = _replace_innermost(last, new_body)
         inner = tirx.SeqStmt(seq) if len(seq) > 1 else seq[0]
     else:
@@ -127,7 +125,7 @@ def _flatten_second(launch, threads):
     binds, blocks, stmt = [], [], launch
     by_tag = {tag: var for tag, var, _ in threads}
     prefix = []
-    while _thread_attr(stmt, "blockIdx") or _thread_attr(stmt, "threadIdx"):
+    while thread_attr(stmt, "blockIdx") or thread_attr(stmt, "threadIdx"):
         tag, var = stmt.node.thread_tag, stmt.node.var
         if tag.startswith("threadIdx"):
             first = by_tag[tag]
@@ -138,7 +136,7 @@ def _flatten_second(launch, threads):
         seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
         last = seq[-1]
         prefix.extend(seq[:-1])
-        if _thread_attr(last, "blockIdx") or _thread_attr(last, "threadIdx"):
+        if thread_attr(last, "blockIdx") or thread_attr(last, "threadIdx"):
             stmt = last
         else:
             prefix.append(last)
@@ -225,7 +223,7 @@ def _innermost_body(launch):
     while True:
         body = innermost.body
         tail = (list(body.seq) if isinstance(body, tirx.SeqStmt) else [body])[-1]
-        if not (_thread_attr(tail, "blockIdx") or _thread_attr(tail, "threadIdx")):
+        if not (thread_attr(tail, "blockIdx") or thread_attr(tail, "threadIdx")):
             return innermost.body
         innermost = tail
 
@@ -244,7 +242,7 @@ def merge_launch_pairs(func: tirx.PrimFunc) -> tirx.PrimFunc:
     launches, i = len(seq), len(seq) - 2
     while i >= 0:
         pair = None
-        if _thread_attr(seq[i], "blockIdx") and _thread_attr(seq[i + 1], "blockIdx"):
+        if thread_attr(seq[i], "blockIdx") and thread_attr(seq[i + 1], "blockIdx"):
             pair = _pair(seq[i], seq[i + 1])
         joined = None if pair is None else _concatenated(seq[i], seq[i + 1], pair)
         if joined is not None:  # one block, no ticket: it may join or be merged again
@@ -272,14 +270,12 @@ def merge_launches(mod, _ctx):
 
 def _single_launch_pipeline(**kwargs):
     """TVM's s_tir pipeline with :func:`merge_launches` between its cross-thread
-    lowering (and ``launch_order``'s reversal of marked loops) and its host/device split,
-    then the launches overlapped where ``dependent_launch`` is switched on."""
+    lowering (and ``launch_order``'s reversal of marked loops) and its host/device split."""
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.SingleLaunchPipeline")
     def run(mod, ctx):
-        merged = merge_launches(launch_order.lowered(pipeline, mod, ctx))
-        return launch_order.tail()(dependent_launch.overlap(merged))
+        return launch_order.tail()(merge_launches(launch_order.lowered(pipeline, mod, ctx)))
 
     return run, finalize_host, finalize_device
 

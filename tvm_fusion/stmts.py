@@ -51,3 +51,10 @@ def collect(stmt: tirx.Stmt, pick: Callable[[tirx.Stmt], object]) -> list:
         return child
     map_children(stmt, visit)
     return found
+
+
+def thread_attr(stmt: tirx.Stmt, prefix: str = "") -> bool:
+    """Whether ``stmt`` is a launch's thread attribute whose tag starts with ``prefix``
+    (``"blockIdx"``, ``"threadIdx"``; any with the default)."""
+    return (isinstance(stmt, tirx.AttrStmt) and stmt.attr_key == "thread_extent"
+            and stmt.node.thread_tag.startswith(prefix))

@@ -125,11 +125,16 @@ def l2_bytes(target: Any) -> int:
 def has_clusters(target: Any) -> bool:
     """Whether a CUDA ``target``'s arch launches thread-block clusters (``sm_90`` and
     later: Hopper's ``barrier.cluster``); False for other kinds."""
+    return arch_number(target) >= 90
+
+
+def arch_number(target: Any) -> int:
+    """A CUDA ``target``'s sm_ number (90 for ``sm_90`` and ``sm_90a``); 0 for other kinds."""
     target = resolve(target)
     if target.kind.name != "cuda":
-        return False
+        return 0
     digits = "".join(ch for ch in _arch_of(target).removeprefix("sm_") if ch.isdigit())
-    return bool(digits) and int(digits) >= 90
+    return int(digits) if digits else 0
 
 
 def _arch_of(target: Any) -> str:
