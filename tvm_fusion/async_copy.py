@@ -37,9 +37,10 @@ Past 2^31 elements: TVM 0.27 prints each copy as a call to a helper that takes t
 source's element offset as a C ``int`` (``ptx_cp_async_legacy_cg_16_2_2(void* dst, int
 dst_off, void* src, int src_off)``), so a 64-bit offset is truncated and the copy reads
 far outside the input (an illegal address on an H100, 2026-12-07, row_in_cluster on
-32768x151936 bf16). :func:`inject` therefore hands such a copy its source already
-offset, ``&src[offset]`` in 64-bit arithmetic, with an offset of 0
-(:func:`_offset_source`); a copy whose offsets are 32-bit is printed as TVM prints it.
+32768x151936 bf16). :func:`wide_sources` (after every lowering, TVM's pipelined copies
+too) therefore hands such a copy its source already offset, ``&src[offset]`` in 64-bit
+arithmetic, with an offset of 0; a copy whose offsets are 32-bit is printed as TVM
+prints it.
 """
 
 from __future__ import annotations
