@@ -38,7 +38,9 @@ TIR_WAIT, TIR_TRIGGER = 'griddepcontrol("wait"', 'griddepcontrol("launch_depende
 
 @pytest.fixture
 def switched_on(monkeypatch):
+    """Every op's launches overlapped (``TVM_FUSION_DEPENDENT_LAUNCH=1``)."""
     monkeypatch.setattr(dependent_launch, "ENABLED", True)
+    monkeypatch.setattr(dependent_launch, "EVERY_OP", True)
 
 
 def func_of(*launches, params=None, asked=True, aliases=()):
@@ -158,16 +160,45 @@ def dispatch_choice(problem):
     return choose(problem, CUDA).candidate
 
 
-def test_the_switch_is_off_by_default():
-    code = ("import tvm_fusion as tf\nfrom tvm_fusion import dependent_launch, targets\n"
+@pytest.mark.parametrize("setting, gradient, in_place, batch_norm", [
+    (None, True, True, False),  # by default: the fused gradient's calls only
+    ("1", True, True, True),  # every op
+    ("0", False, False, False),  # none
+])
+def test_the_switch_overlaps_the_fused_gradient_by_default_every_op_at_1_none_at_0(setting, gradient, in_place,
+                                                                                   batch_norm):
+    """In a fresh process (the switch is read at import): which builds carry the waits.
+    The gradient from the saved lse is not among the defaults, nor is BatchNorm."""
+    code = ("import tvm_fusion as tf\nfrom tvm_fusion import targets\n"
             "from tvm_fusion.kernel import build_kernel\n"
-            "p = tf.make_problem('cross_entropy_grad', (65536, 1000), 'float16')\n"
-            "k = build_kernel(p, targets.resolve({'kind': 'cuda', 'arch': 'sm_90'}), 'cross_entropy_grad_warp_per_row_padded')\n"
-            "print(dependent_launch.ENABLED, 'griddepcontrol' in k.device_source())\n")
+            "t = targets.resolve({'kind': 'cuda', 'arch': 'sm_90'})\n"
+            "def waits(problem, candidate):\n"
+            "    return 'griddepcontrol' in build_kernel(problem, t, candidate).device_source()\n"
+            "print(waits(tf.make_problem('cross_entropy_grad', (65536, 1000), 'float16'), "
+            "'cross_entropy_grad_warp_per_row_padded'),\n"
+            "      waits(tf.make_problem('cross_entropy_grad', (65536, 1000), 'float16', in_place=True), "
+            "'cross_entropy_grad_row_in_shared'),\n"
+            "      waits(tf.make_problem('bn_backward', (64, 56, 56, 256), 'bfloat16', layout='NHWC'), "
+            "'bn_backward_channels_last'))\n")
     env = {k: v for k, v in os.environ.items() if k != "TVM_FUSION_DEPENDENT_LAUNCH"}
+    if setting is not None:
+        env["TVM_FUSION_DEPENDENT_LAUNCH"] = setting
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split()[-2:] == ["False", "False"]
+    assert done.stdout.split()[-3:] == [str(gradient), str(in_place), str(batch_norm)]
+
+
+def test_the_gradient_from_the_saved_lse_is_not_overlapped_by_default(monkeypatch):
+    monkeypatch.setattr(dependent_launch, "ENABLED", True)
+    monkeypatch.setattr(dependent_launch, "EVERY_OP", False)
+    fused = tf.make_problem("cross_entropy_grad", (64, 1000), "float16")
+    from_lse = tf.make_problem("cross_entropy_grad", (64, 1000), "float16", mode="from_lse")
+    bn = tf.make_problem("bn_forward", (8, 4, 16, 16), "float16", training=True)
+    assert [dependent_launch.wanted(p) for p in (fused, from_lse, bn)] == [True, False, False]
+    monkeypatch.setattr(dependent_launch, "EVERY_OP", True)
+    assert [dependent_launch.wanted(p) for p in (fused, from_lse, bn)] == [True, True, True]
+    monkeypatch.setattr(dependent_launch, "ENABLED", False)
+    assert [dependent_launch.wanted(p) for p in (fused, from_lse, bn)] == [False, False, False]
 
 
 def gradient_kernels(source):

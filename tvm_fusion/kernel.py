@@ -283,7 +283,7 @@ def build_kernel(
     # overlapped launches switched (an A/B in one process) is another kernel.
     cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm_ffi.structural_hash(mod),
                  input_shapes, single_launch.ENABLED, launch_order.ENABLED, store_hints.ENABLED, async_copy.ENABLED,
-                 dependent_launch.ENABLED, WORKSPACE_PARAMS)
+                 dependent_launch.ENABLED, dependent_launch.EVERY_OP, WORKSPACE_PARAMS)
     with _LOCK:
         if cache_key in _CACHE:
             return _CACHE[cache_key]
@@ -292,7 +292,7 @@ def build_kernel(
         mod = sch.mod
     with target:
         compiled = compiled_form(mod, problem, input_shapes, workspace=WORKSPACE_PARAMS and target.kind.name == "cuda")
-        if dependent_launch.ENABLED:
+        if dependent_launch.wanted(problem):
             compiled = dependent_launch.asked(compiled, problem)
         pipeline = launch_order.PIPELINE
         if target.kind.name == "cuda" and problem.op in SINGLE_LAUNCH_OPS and single_launch.ENABLED:
