@@ -51,8 +51,8 @@ float64 first, as built / overlapped, us: 65536x1000 fp16 98.32 / 96.89, 4096x32
 185.86 / 182.34, 16384x50257 bf16 1182.70 / 1178.85, 8192x128256 bf16 1558.78 / 1554.34,
 3000x50257 fp16 217.74 / 215.67, 128x32000 fp16 (one launch) 14.33 / 14.27. Less than
 predicted (65536x1000 on the H200 from 0.0732 toward 0.066-0.069 ms, 5-10%; here 1.5%).
-BatchNorm's calls it made slower as often as faster (same run, rows "probe: dependent
-launch A/B" of batch_norm_fwd / batch_norm_fwd_bwd): the channels-last forward of
+BatchNorm's calls it made slower as often as faster (the same lease, 11:51Z, rows
+"probe: dependent launch A/B" of batch_norm_fwd / batch_norm_fwd_bwd): the channels-last forward of
 64x256x56x56 bf16 118.44 -> 119.53-120.41 us, the small-plane forward of 256x2048x7x7
 fp16 63.55 -> 64.99-65.58; 32x64x112x112 fp16 forward + backward 135.46 -> 133.15, and
 the one-launch forwards unchanged. There the later launches wait almost at their top
