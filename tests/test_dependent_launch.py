@@ -10,12 +10,16 @@ output that may be an input taken as that input (the build names such pairs: the
 gradient in place, BatchNorm's running statistics). Built: on the gradient of 65536x1000
 fp16 (three launches) the row kernel's loads and statistics come before its wait,
 the denominator after; every kernel is launched with the programmatic launch
-parameter; nvcc compiles it. On the GPU: the gradient, and BatchNorm's forward (its
+parameter; nvcc compiles it; and, read from the printed CUDA alone (not through the
+pass's own walk), no launch of any default multi-launch build of the fused gradient
+touches an earlier launch's buffers before its wait. The switch's defaults (the fused
+gradient only; every op at 1; none at 0). On the GPU: the gradient, and BatchNorm's forward (its
 running statistics updated in place) and backward, with the switch on (dispatch's
 kernels, asserted to overlap), poisoned outputs against float64, call after call on
 two streams and in a replayed CUDA graph."""
 
 import os
+import re
 import subprocess
 import sys
 
@@ -25,7 +29,7 @@ from tvm import tirx
 
 import tvm_fusion as tf
 from helpers import has_gpu, launch, torch_or_none
-from tvm_fusion import dependent_launch, grid_barrier, launch_order, targets
+from tvm_fusion import dependent_launch, grid_barrier, launch_order, registry, targets
 from tvm_fusion.codegen import cuda_report, nvcc_path
 from tvm_fusion import kernel as kernel_module
 from tvm_fusion.kernel import build_kernel
@@ -216,6 +220,85 @@ def test_the_row_kernel_reads_its_rows_before_it_waits_for_the_denominator(switc
     first_load = index(rows, "logits_ptr +")
     assert index(rows, TRIGGER) < first_load < index(rows, "__shfl") < index(rows, WAIT) < index(rows, "denom_ptr[0]")
     assert index(loss, WAIT) < index(loss, "row_loss_ptr[") and not any(TRIGGER in line for line in loss)
+
+
+def cuda_kernels(source):
+    """(parameters, body lines) of each kernel definition of ``source``, in launch order."""
+    found = []
+    for head in re.finditer(r'extern "C" __global__ void (?:__launch_bounds__\(\d+\) )?\w+\(([^)]*)\) \{', source):
+        depth, end = 1, head.end()
+        while depth:
+            depth += {"{": 1, "}": -1}.get(source[end], 0)
+            end += 1
+        found.append((re.findall(r"(\w+)(?:,|$)", head.group(1)), source[head.end():end - 1].splitlines()))
+    return found
+
+
+def names_in(line, params):
+    return {p for p in params if re.search(rf"(?<![\w.]){p}(?!\w)", line)}
+
+
+def written_in(line, params):
+    """The parameters ``line`` stores to: an indexed or vector store, or an atomic."""
+    return {p for p in params
+            if re.search(rf"(?<![\w.]){p}\[[^=]*\]\s*=(?!=)|\*\(\w+\s*\*\)\({p}( \+[^=]*)?\)\s*=(?!=)"
+                         rf"|atomic\w+\(\(?&?\(?{p}\b", line)}
+
+
+def too_early(source):
+    """Read from the printed CUDA alone, not from the pass's own walk: each statement
+    of a launch before its first ``griddepcontrol.wait`` that names a parameter an
+    earlier launch stores to, or stores to one an earlier launch names; a launch with
+    no wait; a first launch that names any parameter before its wait."""
+    found, written, named = [], set(), set()
+    for n, (params, lines) in enumerate(cuda_kernels(source)):
+        waits = [i for i, line in enumerate(lines) if WAIT + "();" in line]
+        if not waits:
+            found.append((n, "no wait"))
+        for line in lines[:waits[0] if waits else len(lines)]:
+            named_here = names_in(line, params)
+            clash = named_here if n == 0 else named_here & written | written_in(line, params) & named
+            if clash:
+                found.append((n, line.strip()[:120]))
+        for line in lines:
+            written |= written_in(line, params)
+            named |= names_in(line, params)
+    return found
+
+
+# Every fused-gradient candidate in a form of several launches: short rows (warp a
+# row), rows in shared memory, granules and windows (odd V), rows cut across a cluster
+# and a head in shared memory (long rows), the online and block-per-row fallbacks;
+# with a weight and label smoothing, in place, summed, unreduced, float32.
+GRADIENT_CASES = [((65536, 1000), "float16", {}), ((4096, 32000), "bfloat16", {}),
+                  ((4096, 32000), "float16", {"in_place": True}),
+                  ((3000, 50257), "float16", {"weight": True, "label_smoothing": 0.1}),
+                  ((8192, 128256), "bfloat16", {}), ((2048, 256000), "bfloat16", {"reduction": "sum"}),
+                  ((64, 20000), "float32", {"reduction": "none"})]
+
+
+def test_no_launch_of_a_default_build_touches_an_earlier_launchs_buffers_before_its_wait(monkeypatch):
+    """Every multi-launch build of the fused gradient under the default switch, checked
+    by :func:`too_early` on its CUDA; the check itself fails on a build whose row
+    kernel lost its wait."""
+    monkeypatch.setattr(dependent_launch, "ENABLED", True)
+    monkeypatch.setattr(dependent_launch, "EVERY_OP", False)
+    checked = set()
+    for shape, dtype, options in GRADIENT_CASES:
+        problem = tf.make_problem("cross_entropy_grad", shape, dtype, **options)
+        for candidate in registry.applicable(problem, CUDA):
+            kernel = build_kernel(problem, CUDA, candidate.name)
+            if kernel.launches() > 1:
+                assert too_early(kernel.device_source()) == [], (candidate.name, shape, dtype, options)
+                checked.add(candidate.name)
+    fused = {c.name for c in registry.candidates("cross_entropy_grad", "cuda") if "from_lse" not in c.name}
+    one_launch = {"cross_entropy_grad_row_targets", "cross_entropy_grad_row_in_shared_targets"}
+    assert fused - checked <= one_launch
+    source = build_kernel(tf.make_problem("cross_entropy_grad", (65536, 1000), "float16"), CUDA,
+                          "cross_entropy_grad_warp_per_row_padded").device_source()
+    second_wait = [m.start() for m in re.finditer(re.escape(WAIT + "();"), source)][1]
+    without = source[:second_wait] + source[second_wait + len(WAIT) + 3:]
+    assert any("denom_ptr" in line for _, line in too_early(without)) and (1, "no wait") in too_early(without)
 
 
 def test_every_kernel_is_launched_programmatically(switched_on, monkeypatch):
