@@ -46,19 +46,26 @@ triggers ``launch_dependents`` without ever waiting would break the chain).
 Where it is on (:func:`wanted`): by default for the fused cross entropy gradient only
 (``cross_entropy_grad``, mode ``fused``, in place or not), the one kind of call it made
 faster on every shape timed. H100, 2026-12-07T11:50Z, rows "probe: dependent launch A/B"
-of results/benchmarks.csv, dispatch's kernels under graph replay, each checked against
-float64 first, as built / overlapped, us: 65536x1000 fp16 98.32 / 96.89, 4096x32000 fp16
-185.86 / 182.34, 16384x50257 bf16 1182.70 / 1178.85, 8192x128256 bf16 1558.78 / 1554.34,
-3000x50257 fp16 217.74 / 215.67, 128x32000 fp16 (one launch) 14.33 / 14.27. Less than
-predicted (65536x1000 on the H200 from 0.0732 toward 0.066-0.069 ms, 5-10%; here 1.5%).
+of results/benchmarks.csv, dispatch's candidate and knobs under graph replay, each
+checked against float64 first, as built / overlapped, us: 65536x1000 fp16 98.32 / 96.89,
+4096x32000 fp16 185.86 / 182.34, 16384x50257 bf16 1182.70 / 1178.85, 8192x128256 bf16
+1558.78 / 1554.34, 3000x50257 fp16 217.74 / 215.67, 128x32000 fp16 (one launch) 14.33 /
+14.27. The probe built the tuning record's own module where one is shipped (all but
+3000x50257 and 128x32000), not today's schedule, which the API builds; for 65536x1000
+that module has 5 launches where the API's kernel has 3. Less than predicted
+(65536x1000 on the H200 from 0.0732 toward 0.066-0.069 ms, 5-10%; here 1.5%). A reason
+that bounds it: only the row kernel's first wave (at most 16 blocks of 128 lanes an SM,
+an eighth of its 16384 blocks) can run ahead of the targets pass, and the loss stage
+needs every row's loss, so it waits at its top.
+
 BatchNorm's calls it made slower as often as faster (the same lease, 11:51Z, rows
-"probe: dependent launch A/B" of batch_norm_fwd / batch_norm_fwd_bwd): the channels-last forward of
-64x256x56x56 bf16 118.44 -> 119.53-120.41 us, the small-plane forward of 256x2048x7x7
-fp16 63.55 -> 64.99-65.58; 32x64x112x112 fp16 forward + backward 135.46 -> 133.15, and
-the one-launch forwards unchanged. There the later launches wait almost at their top
-(the map needs the statistics first), so they gain no work before the wait; so they
-are left as built. ``TVM_FUSION_DEPENDENT_LAUNCH=1`` overlaps every op's launches,
-``=0`` none (both in the kernel cache's key).
+"probe: dependent launch A/B" of batch_norm_fwd / batch_norm_fwd_bwd, record modules
+where shipped): the channels-last forward of 64x256x56x56 bf16 118.44 -> 119.53-120.41
+us, the small-plane forward of 256x2048x7x7 fp16 63.55 -> 64.99-65.58; 32x64x112x112
+fp16 forward + backward 135.46 -> 133.15; the one-launch forwards unchanged. There the
+later launches wait almost at their top (the map needs the statistics first), so they
+gain no work before the wait; they are left as built. ``TVM_FUSION_DEPENDENT_LAUNCH=1``
+overlaps every op's launches, ``=0`` none (both in the kernel cache's key).
 """
 
 from __future__ import annotations
