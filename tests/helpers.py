@@ -286,10 +286,11 @@ def launch(blocks, threads, body):
     statement, or a list of them."""
     from tvm import tirx
 
+    from tvm_fusion.stmts import seq
+
     bx, tx = tirx.Var("bx", "int32"), tirx.Var("tx", "int32")
     block = tirx.IterVar(tvm.ir.Range(0, blocks), bx, tirx.IterVar.ThreadIndex, "blockIdx.x")
     thread = tirx.IterVar(tvm.ir.Range(0, threads), tx, tirx.IterVar.ThreadIndex, "threadIdx.x")
     stmts = body(bx, tx)
-    if isinstance(stmts, list):
-        stmts = tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]
+    stmts = seq(stmts) if isinstance(stmts, list) else stmts
     return tirx.AttrStmt(block, "thread_extent", blocks, tirx.AttrStmt(thread, "thread_extent", threads, stmts))

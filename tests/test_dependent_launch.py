@@ -31,6 +31,7 @@ import tvm_fusion as tf
 from helpers import has_gpu, launch, torch_or_none
 from tvm_fusion import dependent_launch, grid_barrier, launch_order, registry, targets
 from tvm_fusion.codegen import cuda_report, nvcc_path
+from tvm_fusion.stmts import seq
 from tvm_fusion import kernel as kernel_module
 from tvm_fusion.kernel import build_kernel
 
@@ -48,7 +49,7 @@ def switched_on(monkeypatch):
 
 
 def func_of(*launches, params=None, asked=True, aliases=()):
-    func = tirx.PrimFunc([], tirx.SeqStmt(list(launches)) if len(launches) > 1 else launches[0])
+    func = tirx.PrimFunc([], seq(list(launches)))
     func = func.with_attr(dependent_launch.ATTR, list(aliases)) if asked else func
     return func if params is None else func.with_attr(grid_barrier.LAUNCH_PARAMS, params)
 
@@ -206,9 +207,8 @@ def test_the_gradient_from_the_saved_lse_is_not_overlapped_by_default(monkeypatc
 
 
 def gradient_kernels(source):
-    """The three kernels' bodies (definitions), in launch order."""
-    bodies = [b for b in source.split('extern "C" __global__')[1:] if "{" in b.split("\n")[0]]
-    return [[line.strip() for line in body.splitlines()] for body in bodies]
+    """The kernels' bodies (their lines, stripped), in launch order."""
+    return [[line.strip() for line in lines] for _, lines in cuda_kernels(source)]
 
 
 def test_the_row_kernel_reads_its_rows_before_it_waits_for_the_denominator(switched_on):

@@ -40,6 +40,7 @@ import tvm
 from tvm import s_tir, tirx
 
 from .compute import ASYNC_ROUNDS_ATTR
+from .stmts import statements
 
 STAGE = "software_pipeline_stage"
 ORDER = "software_pipeline_order"
@@ -65,7 +66,7 @@ def pipeline(sch: Any, loop: Any, copies: list[Any], reductions: list[Any], afte
     next round's copies are issued right after the round's statement that holds the
     block ``after`` (a grid barrier's combine: see the comment above)."""
     body = sch.get(loop).body
-    children = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
+    children = statements(body)
 
     def root(block):  # the round's child that holds ``block``
         inner = sch.get_loops(block)

@@ -78,7 +78,7 @@ from tvm import tirx
 from tvm.ir.expr import TensorLoad
 
 from . import grid_barrier, targets
-from .stmts import thread_attr
+from .stmts import seq, statements, thread_attr
 
 _SETTING = os.environ.get("TVM_FUSION_DEPENDENT_LAUNCH", "")
 ENABLED = _SETTING != "0"  # the pass runs at all
@@ -167,14 +167,6 @@ def accesses(stmt: tirx.Stmt, same: dict[str, str] | None = None) -> tuple[set[s
     return {same.get(k, k) for k in reads}, {same.get(k, k) for k in writes}
 
 
-def _seq(stmts: list) -> tirx.Stmt:
-    return tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]
-
-
-def _statements(stmt) -> list:
-    return list(stmt.seq) if isinstance(stmt, tirx.SeqStmt) else [stmt]
-
-
 def _conflicts(stmt, earlier_reads: set[str], earlier_writes: set[str], same: dict[str, str]) -> bool:
     reads, writes = accesses(stmt, same)
     return bool((reads | writes) & earlier_writes or writes & earlier_reads)
@@ -182,18 +174,18 @@ def _conflicts(stmt, earlier_reads: set[str], earlier_writes: set[str], same: di
 
 def _rewrite(launch, earlier_reads, earlier_writes, same, first: bool, last: bool):
     """``launch`` (a thread-attribute nest) with its wait and its trigger (module
-    docstring); and whether it waits."""
+    docstring)."""
     head = [launch_dependents()] if not last else []
 
     def inner(nest):
         """(nest with the wait placed under it, placed?) for the nest's statements."""
-        body = _statements(nest.body)
+        body = statements(nest.body)
         for i, stmt in enumerate(body):
             if thread_attr(stmt) and i == len(body) - 1:
                 new, placed = inner(stmt)
                 if placed:
                     body[i] = new
-                    return tirx.AttrStmt(nest.node, nest.attr_key, nest.value, _seq(body)), True
+                    return tirx.AttrStmt(nest.node, nest.attr_key, nest.value, seq(body)), True
                 break
             if _conflicts(stmt, earlier_reads, earlier_writes, same):
                 body[i:i] = [wait()]
@@ -202,10 +194,10 @@ def _rewrite(launch, earlier_reads, earlier_writes, same, first: bool, last: boo
 
     if first:
         body = tirx.SeqStmt([wait(), *head, launch.body])
-        return tirx.AttrStmt(launch.node, launch.attr_key, launch.value, body), True
+        return tirx.AttrStmt(launch.node, launch.attr_key, launch.value, body)
     new, placed = inner(launch)
     tail = [] if placed else [wait()]  # its end waits, so that its end implies the earlier ends
-    return tirx.AttrStmt(new.node, new.attr_key, new.value, _seq([*head, new.body, *tail])), placed
+    return tirx.AttrStmt(new.node, new.attr_key, new.value, seq([*head, new.body, *tail]))
 
 
 def _arch(func: tirx.PrimFunc) -> int:
@@ -231,7 +223,7 @@ def overlapped(func: tirx.PrimFunc, arch: int | None = None) -> tirx.PrimFunc:
     same = {f"{out}.data": f"{inp}.data" for out, inp in (str(pair).split("=") for pair in func.attrs[ATTR])}
     if (arch if arch is not None else _arch(func)) < MIN_ARCH:
         return func
-    top = _statements(func.body)
+    top = statements(func.body)
     launches = [i for i, stmt in enumerate(top) if thread_attr(stmt, "blockIdx")]
     if len(launches) < 2 or any(_has_launch(stmt) for i, stmt in enumerate(top) if i not in launches):
         return func  # a launch the walk would not see (one of threads only, or nested): left alone
@@ -239,7 +231,7 @@ def overlapped(func: tirx.PrimFunc, arch: int | None = None) -> tirx.PrimFunc:
     writes: set[str] = set()
     for n, i in enumerate(launches):
         launch_reads, launch_writes = accesses(top[i], same)
-        top[i], _ = _rewrite(top[i], reads, writes, same, first=n == 0, last=n == len(launches) - 1)
+        top[i] = _rewrite(top[i], reads, writes, same, first=n == 0, last=n == len(launches) - 1)
         reads |= launch_reads
         writes |= launch_writes
     return func.with_body(tirx.SeqStmt(top)).with_attr(grid_barrier.LAUNCH_PARAMS, [*params, TAG])

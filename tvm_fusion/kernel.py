@@ -277,13 +277,15 @@ def build_kernel(
     inputs the compiled function takes in their caller's shape (``compiled_form``)."""
     cand = registry.get(candidate)
     knobs = knobs or cand.default_for(problem, target)
+    overlapped = dependent_launch.wanted(problem)
     # single_launch.ENABLED, launch_order.ENABLED, store_hints.ENABLED,
-    # async_copy.ENABLED and dependent_launch.ENABLED are in the key: a build with the
-    # merge, the reversal, the evict-first stores, the asynchronous copies or the
-    # overlapped launches switched (an A/B in one process) is another kernel.
+    # async_copy.ENABLED and whether this build's launches are overlapped
+    # (dependent_launch.wanted) are in the key: a build with the merge, the reversal,
+    # the evict-first stores, the asynchronous copies or the overlap switched (an A/B in
+    # one process) is another kernel.
     cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm_ffi.structural_hash(mod),
                  input_shapes, single_launch.ENABLED, launch_order.ENABLED, store_hints.ENABLED, async_copy.ENABLED,
-                 dependent_launch.ENABLED, dependent_launch.EVERY_OP, WORKSPACE_PARAMS)
+                 overlapped, WORKSPACE_PARAMS)
     with _LOCK:
         if cache_key in _CACHE:
             return _CACHE[cache_key]
@@ -292,7 +294,7 @@ def build_kernel(
         mod = sch.mod
     with target:
         compiled = compiled_form(mod, problem, input_shapes, workspace=WORKSPACE_PARAMS and target.kind.name == "cuda")
-        if dependent_launch.wanted(problem):
+        if overlapped:
             compiled = dependent_launch.asked(compiled, problem)
         pipeline = launch_order.PIPELINE
         if target.kind.name == "cuda" and problem.op in SINGLE_LAUNCH_OPS and single_launch.ENABLED:

@@ -46,7 +46,7 @@ import tvm_ffi
 from tvm import tirx
 
 from . import launch_order
-from .stmts import thread_attr
+from .stmts import seq, statements, thread_attr
 
 COUNTER = "launch_counter"
 # TVM_FUSION_SINGLE_LAUNCH=0 builds every kernel as scheduled (an A/B switch).
@@ -73,8 +73,6 @@ def _counter(func: tirx.PrimFunc) -> tirx.Buffer | None:
     return last if last is not None and last.name == COUNTER else None
 
 
-
-
 def _launch_nest(launch):
     """(block dims, thread dims, body) of a launch, each dim (tag, var, extent), where
     the nest is attributes each holding declarations then the next attribute; None
@@ -87,11 +85,10 @@ def _launch_nest(launch):
             threads.append((stmt.node.thread_tag, stmt.node.var, int(stmt.value)))
         else:
             return None
-        body = stmt.body
-        seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
-        last = seq[-1]
+        body = statements(stmt.body)
+        last = body[-1]
         if thread_attr(last, "blockIdx") or thread_attr(last, "threadIdx"):
-            if any(isinstance(s, tirx.AttrStmt) and s.attr_key == "thread_extent" for s in seq[:-1]):
+            if any(isinstance(s, tirx.AttrStmt) and s.attr_key == "thread_extent" for s in body[:-1]):
                 return None
             stmt = last
             continue
@@ -108,12 +105,11 @@ def _fence():
 
 def _replace_innermost(stmt, new_body):
     """``stmt`` (a launch nest) with the body of its innermost thread attribute replaced."""
-    body = stmt.body
-    seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
-    last = seq[-1]
+    body = statements(stmt.body)
+    last = body[-1]
     if thread_attr(last, "blockIdx") or thread_attr(last, "threadIdx"):
-        seq[-1] = _replace_innermost(last, new_body)
-        inner = tirx.SeqStmt(seq) if len(seq) > 1 else seq[0]
+        body[-1] = _replace_innermost(last, new_body)
+        inner = seq(body)
     else:
         inner = new_body
     return tirx.AttrStmt(stmt.node, stmt.attr_key, stmt.value, inner)
@@ -132,10 +128,9 @@ def _flatten_second(launch, threads):
             binds.append(tirx.Bind(var, first if first.ty.dtype == var.ty.dtype else tirx.Cast(var.ty.dtype, first)))
         else:
             blocks.append((var, int(stmt.value)))
-        body = stmt.body
-        seq = list(body.seq) if isinstance(body, tirx.SeqStmt) else [body]
-        last = seq[-1]
-        prefix.extend(seq[:-1])
+        children = statements(stmt.body)
+        last = children[-1]
+        prefix.extend(children[:-1])
         if thread_attr(last, "blockIdx") or thread_attr(last, "threadIdx"):
             stmt = last
         else:
@@ -222,7 +217,7 @@ def _innermost_body(launch):
     innermost = launch
     while True:
         body = innermost.body
-        tail = (list(body.seq) if isinstance(body, tirx.SeqStmt) else [body])[-1]
+        tail = statements(body)[-1]
         if not (thread_attr(tail, "blockIdx") or thread_attr(tail, "threadIdx")):
             return innermost.body
         innermost = tail
@@ -237,27 +232,26 @@ def merge_launch_pairs(func: tirx.PrimFunc) -> tirx.PrimFunc:
     counter = _counter(func)
     if counter is None:
         return func
-    top = func.body
-    seq = list(top.seq) if isinstance(top, tirx.SeqStmt) else [top]
-    launches, i = len(seq), len(seq) - 2
+    top = statements(func.body)
+    launches, i = len(top), len(top) - 2
     while i >= 0:
         pair = None
-        if thread_attr(seq[i], "blockIdx") and thread_attr(seq[i + 1], "blockIdx"):
-            pair = _pair(seq[i], seq[i + 1])
-        joined = None if pair is None else _concatenated(seq[i], seq[i + 1], pair)
+        if thread_attr(top[i], "blockIdx") and thread_attr(top[i + 1], "blockIdx"):
+            pair = _pair(top[i], top[i + 1])
+        joined = None if pair is None else _concatenated(top[i], top[i + 1], pair)
         if joined is not None:  # one block, no ticket: it may join or be merged again
-            seq[i:i + 2] = [joined]
-            i = min(i, len(seq) - 2)
+            top[i:i + 2] = [joined]
+            i = min(i, len(top) - 2)
             continue
-        merged = None if pair is None else _merged(seq[i], seq[i + 1], pair, counter)
+        merged = None if pair is None else _merged(top[i], top[i + 1], pair, counter)
         if merged is None:
             i -= 1
             continue
-        seq[i:i + 2] = [merged]
+        top[i:i + 2] = [merged]
         i -= 2
-    if len(seq) == launches:
+    if len(top) == launches:
         return func
-    return func.with_body(tirx.SeqStmt(seq) if len(seq) > 1 else seq[0])
+    return func.with_body(seq(top))
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.MergeLaunchPairs")

@@ -53,6 +53,16 @@ def collect(stmt: tirx.Stmt, pick: Callable[[tirx.Stmt], object]) -> list:
     return found
 
 
+def statements(stmt: tirx.Stmt) -> list:
+    """``stmt``'s statements: a ``SeqStmt``'s, or ``stmt`` alone."""
+    return list(stmt.seq) if isinstance(stmt, tirx.SeqStmt) else [stmt]
+
+
+def seq(stmts: list) -> tirx.Stmt:
+    """One statement of ``stmts``: a ``SeqStmt``, or the only one."""
+    return tirx.SeqStmt(stmts) if len(stmts) > 1 else stmts[0]
+
+
 def thread_attr(stmt: tirx.Stmt, prefix: str = "") -> bool:
     """Whether ``stmt`` is a launch's thread attribute whose tag starts with ``prefix``
     (``"blockIdx"``, ``"threadIdx"``; any with the default)."""
