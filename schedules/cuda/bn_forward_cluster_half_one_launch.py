@@ -38,8 +38,8 @@ shape                  one launch  cluster_half  grid-wide  dispatch then     fw
 tasks an SM, where ``cluster_half`` lost to the grid-wide kernel) 5% less than the
 grid-wide one. So it is the default ahead of ``cluster_half`` wherever an SM gets
 ``MIN_TASKS_AN_SM`` tasks (``prefers``), and the shipped split-plane records of the two
-fp16 shapes (H200, 0.0822 and 0.0436 ms) were dropped: on the H100 that pick was 19%
-and 14% slower than this kernel. It has no H200 number yet.
+fp16 shapes (H200, 0.0822 and 0.0436 ms) were dropped: on the H100 this kernel took 19%
+and 14% less time than that pick. It has no H200 number yet.
 
 Not used: every block of the channel writing the outputs (the running statistics are
 updated in place: a block could read a value another had already written); the outputs

@@ -39,8 +39,8 @@ the H200's L2) and a (P, C * L) float32 workspace pair (P = 8 by default there:
 6.4 MB written and read). Measured (H200, kernels under graph replay): forward 0.0508 ms
 and backward 0.0740 on 256x2048x7x7 fp16, against 0.0613 and 0.0888 for the persistent
 kernels; the first version, which stored its partials channel-major (a 4-byte store
-a sector), took 0.0702 and 0.0953 (the per-kernel profile: 39 us for kernel 1 reading
-51 MB). Preferred where it wins (:data:`PREFERRED_VALUES`).
+a sector), took 0.0702 and 0.0953 (its per-kernel profile, not in the CSV, put most of that in
+kernel 1 reading 51 MB). Preferred where it wins (:data:`PREFERRED_VALUES`).
 
 Applies: training, NCHW (not channels-last), N >= 2, with ``L * bytes % 16 != 0`` (an aligned
 plane takes the block-per-channel kernels' 16-byte loads), ``C * L * bytes % 16 == 0``

@@ -25,7 +25,8 @@ Why: ``cross_entropy_grad_online`` reads a long row twice, the statistics pass a
 gradient pass, and the second read comes back from HBM where the rows in flight do not
 fit the L2: 8192x128256 bf16 took 1.4396 ms at its best default-kind knobs and 1.4228 at
 32 rows a block (H200, 2026-12-05, rows "probe: online gradient rows and batch knobs" of
-results/benchmarks.csv), 1.44x the 0.9893 ms of one read and one write. Here the head is
+results/benchmarks.csv), 1.43x the 0.9919 ms floor of one read and one write (H200 row of
+2026-12-04T18:42Z). Here the head is
 read from HBM once; only the tail (29952 of 128256 values) is read twice.
 
 Predicted: 8192x128256 bf16 moves 2.10 GB read, 0.49 GB re-read (the tail) and 2.10 GB

@@ -4,11 +4,11 @@
 builds the graph node. Outside functorch transforms (``vmap``, ``grad``) it only
 passes each argument through ``torch._C._functorch.unwrap_if_dead`` (a generator over
 all eight arguments) and calls the C++ apply. On this project's CI machine that layer
-cost 6-8 us a call (cross entropy's apply: median 36.8 us against 28.7 for the C++
-apply alone, 21 interleaved rounds), next to a CPU kernel launch of about 3.
+cost several us a call (timed by hand, not written to the CSV: about a quarter of
+cross entropy's apply), next to a CPU kernel launch of a few us.
 
 :func:`apply` unwraps the first argument, the tensor the gradient is for, and calls
-the C++ apply: 29.9 us in the same rounds. A dead functorch wrapper among the other
+the C++ apply. A dead functorch wrapper among the other
 arguments (a tensor that escaped a finished ``vjp``) reaches the kernel's launch,
 which refuses it with an error, not a wrong result. Under a functorch transform, or
 on a torch without these internals, it is ``function.apply`` itself.
