@@ -35,6 +35,10 @@ TARGET = np.array([0, 1, 2, 3], np.int64)
         (lambda: tf.cross_entropy(LOGITS, TARGET, label_smoothing="0.1"), TypeError, ["label_smoothing"]),
         (lambda: tf.cross_entropy(LOGITS, TARGET, reduction="avg"), ValueError, ["reduction", "'avg'"]),
         (lambda: tf.cross_entropy(LOGITS, TARGET, ignore_index=1.5), TypeError, ["ignore_index", "1.5"]),
+        # torch's ignore_index is an int64 (torch raises "Overflow when unpacking long long")
+        (lambda: tf.cross_entropy(LOGITS, TARGET, ignore_index=2**64), ValueError, ["ignore_index", "int64", str(2**64)]),
+        (lambda: tf.build("cross_entropy", shape=(2, 3), target="llvm", ignore_index=-(2**63) - 1), ValueError,
+         ["ignore_index", "int64"]),
         (lambda: tf.cross_entropy(LOGITS, TARGET, check_targets="yes"), TypeError, ["check_targets"]),
         (lambda: tf.build("softmax", shape=(2, 3)), ValueError, ["op", "'softmax'"]),
         (lambda: tf.build("bn_stats", shape=(2, 3, 4), target="metal"), ValueError, ["target", "'metal'"]),

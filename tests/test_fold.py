@@ -205,6 +205,19 @@ def test_a_model_that_cannot_be_deep_copied_is_a_clear_error():
         fold(model)
 
 
+@pytest.mark.parametrize("example, words", [
+    (lambda: "not a tensor", "TypeError: conv1d()"),
+    (lambda: torch.randn(2, 5, 7), "RuntimeError: Given groups=1"),  # 5 channels into Conv1d(3, ...)
+])
+def test_example_inputs_the_model_fails_on_are_a_clear_error(example, words):
+    """torch.fx's ShapeProp wraps the model's error in one naming an FX node; fold names
+    example_inputs and the model's own error."""
+    model = nn.Sequential(nn.Conv1d(3, 4, 1), nn.BatchNorm1d(4)).eval()
+    with pytest.raises(ValueError, match=r"fold: the model fails on example_inputs") as info:
+        fold(model, example())
+    assert words in str(info.value)
+
+
 def test_a_linear_over_three_dims_is_not_folded_into_batch_norm1d():
     seeded()
     model = nn.Sequential(nn.Linear(4, 5), randomized(nn.BatchNorm1d(3))).eval()  # BN over dim 1 (L = 3)

@@ -282,6 +282,8 @@ def test_convert_replaces_every_batch_norm_keeping_tensors_options_and_mode():
         assert [id(t) for t in module.state_dict(keep_vars=True).values()] == ids, f"{name}: tensors replaced"
     single = tft.SyncBatchNorm.convert_sync_batchnorm(nn.BatchNorm1d(5, eps=1e-3, affine=False))
     assert type(single) is tft.SyncBatchNorm and single.eps == 1e-3 and not single.affine
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module, got NoneType"):  # not an AttributeError
+        tft.convert_sync_batchnorm(None)
 
 
 def test_without_a_group_the_module_is_our_batch_norm():

@@ -178,6 +178,8 @@ def test_a_bad_target_raises_the_clear_error():
      ["logits"]),
     (lambda: tft.cross_entropy(torch.randn(4, 5, requires_grad=True), torch.rand(4, 5)), ValueError, ["target.shape"]),
     (lambda: tft.cross_entropy(torch.randn(4, 5, requires_grad=True), torch.rand(4)), TypeError, ["target"]),
+    (lambda: tft.cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), ignore_index=2**64), ValueError,
+     ["ignore_index must fit in int64", str(2**64)]),
 ])
 def test_bad_arguments_are_named(bad, error, words):
     with pytest.raises(error) as info:
@@ -227,6 +229,39 @@ def test_meta_and_fake_tensors_get_the_losss_shape_without_a_kernel():
         loss = tft.CrossEntropyLoss()(fake, torch.randint(0, 50, (4,)))
         loss.backward()
         assert loss.shape == () and fake.grad.shape == (4, 50)
+
+
+META = {"device": "meta"}
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (lambda: (torch.randn(5, **META), torch.zeros(5, dtype=torch.long, **META)), ValueError, "rank 2 (B, V)"),
+    (lambda: (torch.randn(4, 5, **META), torch.zeros(3, dtype=torch.long, **META)), ValueError,
+     "target.shape must be (B,) = (4,)"),
+    (lambda: (torch.randn(4, 5, **META), torch.zeros(4, **META)), TypeError, "integer class indices"),
+    (lambda: (torch.randn(4, 5, **META), torch.zeros(4, dtype=torch.long)), ValueError,
+     "target must be on the same device as logits (meta), got cpu"),
+    (lambda: (torch.randn(4, 5, **META), torch.zeros(4, dtype=torch.long, **META), {"reduction": "avg"}), ValueError,
+     "reduction must be one of"),
+    (lambda: (torch.randn(4, 5, **META), torch.zeros(4, dtype=torch.long, **META), {"label_smoothing": 3.0}),
+     ValueError, "label_smoothing must be in [0, 1]"),
+    (lambda: (torch.randn(4, 5, **META), torch.zeros(4, dtype=torch.long, **META), {"weight": torch.ones(6, **META)}),
+     ValueError, "weight.shape must be (V,) = (5,)"),
+    # a Parameter goes to the dispatcher, whose own errors named an FX-like schema, not the argument's problem
+    (lambda: (torch.nn.Parameter(torch.randn(4, 5)), torch.zeros(4, dtype=torch.long), {"ignore_index": 1.5}),
+     TypeError, "ignore_index must be an int, got 1.5"),
+    (lambda: (torch.nn.Parameter(torch.randn(4, 5)), torch.zeros(4, dtype=torch.long), {"ignore_index": 2**70}),
+     ValueError, "ignore_index must fit in int64"),
+    (lambda: (torch.nn.Parameter(torch.randn(4, 5)), [0, 1, 2, 3]), TypeError, "target must be a torch tensor, got list"),
+])
+def test_a_call_without_a_launcher_is_checked_as_one_with(bad, error, words):
+    """Meta tensors, fake ones and subclasses reach the custom ops, not a launcher: a bad
+    call must raise the contract's error, not return a loss's shape (meta) or the
+    dispatcher's schema error (a Parameter)."""
+    logits, target, *options = bad()
+    with pytest.raises(error) as info:
+        tft.cross_entropy(logits, target, **(options[0] if options else {}))
+    assert words in str(info.value), f"{words!r} not in {info.value!s}"
 
 
 def test_a_parameter_as_logits_equals_torch(poisoned):

@@ -11,6 +11,7 @@ import copy
 import math
 import os
 
+import numpy as np
 import pytest
 
 from helpers import BN_LAYOUTS, has_gpu, rng, torch_or_none
@@ -237,6 +238,10 @@ def test_a_float64_module_call_is_torchs():
      TypeError, "momentum must be a number"),
     (lambda: tft.batch_norm(torch.randn(4, 3), None, None, training=True, eps=-1.0), ValueError,
      "eps must be a finite number"),
+    (lambda: tft.batch_norm(torch.randn(4, 3), None, None, training=True, eps=0.0), ValueError,
+     "eps must be positive when training, got 0.0"),  # torch's rule
+    (lambda: tft.batch_norm(torch.randn(4, 3), None, None, training=True, eps=None), TypeError,
+     "eps must be a number, got None"),
     (lambda: tft.batch_norm(torch.randn(4, 3), None, None, training=1), TypeError, "training must be a bool"),
     (lambda: tft.batch_norm([[1.0, 2.0]], None, None, training=True), TypeError, "input must be a torch tensor"),
 ])
@@ -329,6 +334,43 @@ def test_meta_and_fake_tensors_get_the_shapes_without_a_kernel():
         out = tft.BatchNorm1d(6)(fake)
         out.sum().backward()
         assert out.shape == (8, 6) and fake.grad.shape == (8, 6)
+
+
+def test_numpy_scalars_are_numbers_as_in_torch():
+    """np.float32 momentum and eps (a config read through numpy) are taken, as torch takes them."""
+    seeded()
+    x = torch.randn(4, 3, 5, 5)
+    ours, theirs = (tft.BatchNorm2d(3, eps=np.float32(1e-3), momentum=np.float32(0.3)),
+                    nn.BatchNorm2d(3, eps=np.float32(1e-3), momentum=np.float32(0.3)))
+    torch.testing.assert_close(ours(x), theirs(x))
+    torch.testing.assert_close(ours.running_var, theirs.running_var)
+
+
+META = {"device": "meta"}
+
+
+@pytest.mark.parametrize("bad, error, words", [
+    (lambda: (torch.randn(5, **META), None, None, {"training": True}), ValueError, "rank 2 to 5"),
+    (lambda: (torch.randn(1, 3, **META), None, None, {"training": True}), ValueError,
+     r"more than 1 value per channel when training, got input size \(1, 3\)"),
+    (lambda: (torch.randn(4, 3, **META), torch.zeros(4, **META), torch.ones(4, **META), {"training": True}),
+     ValueError, r"running_mean must have shape \(3,\)"),
+    (lambda: (torch.randn(4, 3, **META), torch.zeros(3), torch.ones(3), {"training": True}), ValueError,
+     "running_mean is on cpu, the input on meta"),
+    (lambda: (torch.randn(4, 3, **META), None, None, {"training": True, "eps": -1.0}), ValueError,
+     "eps must be a finite number"),
+    (lambda: (torch.nn.Parameter(torch.randn(4, 3)), None, None, {"training": True, "momentum": None}), TypeError,
+     "momentum must be a number or a 0-d tensor, got None"),
+    (lambda: (torch.nn.Parameter(torch.randn(4, 3)), None, None, {"training": True, "eps": None}), TypeError,
+     "eps must be a number, got None"),
+])
+def test_a_call_without_a_launcher_is_checked_as_one_with(bad, error, words):
+    """Meta tensors, fake ones and subclasses reach the custom ops, not a launcher: a bad
+    call must raise the launcher's error, not return y's shape (meta), an IndexError
+    from the fake function, or a float() error that names no argument."""
+    input, running_mean, running_var, options = bad()
+    with pytest.raises(error, match=words):
+        tft.batch_norm(input, running_mean, running_var, **options)
 
 
 def test_opcheck_both_custom_ops():

@@ -28,6 +28,7 @@ torch's error (a ``ValueError`` naming the input size).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -85,8 +86,12 @@ def bn_forward_problem(shape: object, dtype: str, layout: str = "NCHW", affine: 
     """Check the arguments of the forward and return the canonical problem."""
     view = bn_stats_problem(shape, dtype, layout).__dict__  # shape, dtype and layout checks
     check_flags(OP, affine=affine, training=training, track_running=track_running)
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not math.isfinite(eps) or eps < 0:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):  # np.float32 too, as torch takes it
+        raise TypeError(f"{OP}: eps must be a number, got {eps!r}")
+    if not math.isfinite(eps) or eps < 0:
         raise ValueError(f"{OP}: eps must be a finite number >= 0, got {eps!r}")
+    if training and eps == 0:  # torch's rule: a constant channel would divide by sqrt(0)
+        raise ValueError(f"{OP}: eps must be positive when training, got {eps!r}")
     if not training and not track_running:
         raise ValueError(f"{OP}: eval mode normalizes with the running statistics: track_running must be True "
                          "(torch's eval without running statistics uses the batch's: pass training=True)")

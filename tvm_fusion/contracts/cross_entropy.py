@@ -185,6 +185,8 @@ def check_arguments(
             )
         check_dtype(op, "weight", weight_dtype, FLOAT_DTYPES)
     ignore_index = check_int(op, "ignore_index", ignore_index)
+    if not -(2**63) <= ignore_index < 2**63:  # torch's ignore_index is an int64 (its op schema's int)
+        raise ValueError(f"{op}: ignore_index must fit in int64, got {ignore_index}")
     check_choice(op, "reduction", reduction, REDUCTIONS)
     if isinstance(label_smoothing, bool) or not isinstance(label_smoothing, numbers.Real):  # np.float32 too
         raise TypeError(f"{op}: label_smoothing must be a float, got {label_smoothing!r}")

@@ -36,6 +36,7 @@ The modules subclass torch's, so their constructor, attributes, ``state_dict`` a
 """
 
 
+import numbers
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -80,7 +81,20 @@ def _not_launched(input, running_mean, running_var, weight, bias, training, mome
         raise TypeError(f"{OP}: input must be a torch tensor, got {type(input).__name__}")
     if not input.numel():
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, 0.0, eps)
+    if not torch.compiler.is_compiling():  # traced, the op's launch checks what it runs
+        _check_unlaunched(input, running_mean, running_var, weight, bias, training, eps)
     return _compiled(input, running_mean, running_var, weight, bias, training, momentum, eps)
+
+
+def _check_unlaunched(input, running_mean, running_var, weight, bias, training, eps) -> None:
+    """A launcher's checks for a call that builds none (meta tensors, fake ones,
+    subclasses), which would otherwise get ``y``'s shape whatever its arguments. Where
+    a size is symbolic the contract's checks of the sizes wait for the launch."""
+    view = _check_arguments(input, running_mean, running_var, weight, bias, training)
+    if all(isinstance(size, int) for size in input.shape):
+        bn_forward_problem(view.shape, str(input.dtype).removeprefix("torch."), view.layout,
+                           affine=weight is not None or bias is not None, training=training,
+                           track_running=running_mean is not None, eps=eps)
 
 
 class _BatchNormMixin:
@@ -369,9 +383,15 @@ def _momentum(momentum: Any, device: torch.device) -> torch.Tensor:
             raise ValueError(f"{OP}: a momentum tensor must be 0-d on {device}, got shape "
                              f"{tuple(momentum.shape)} on {momentum.device}")
         return momentum if momentum.dtype is torch.float32 else momentum.to(torch.float32)
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):
-        raise TypeError(f"{OP}: momentum must be a number or a 0-d tensor, got {momentum!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):  # the ABC's test off the common path
+        check_momentum(momentum)
     return _constant(("momentum", float(momentum), device), lambda: torch.full((), float(momentum), device=device))
+
+
+def check_momentum(momentum: Any) -> None:
+    """A number (np.float32 too, as torch takes it), or a TypeError naming it."""
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real):
+        raise TypeError(f"{OP}: momentum must be a number or a 0-d tensor, got {momentum!r}")
 
 
 def _constant(key: tuple, make: Callable[[], torch.Tensor]) -> torch.Tensor:
@@ -413,6 +433,7 @@ def as_dtype(grad: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 # -- the custom ops, for torch.compile ----------------------------------------------------
 def _compiled(input, running_mean, running_var, weight, bias, training, momentum, eps):
     if not isinstance(momentum, torch.Tensor):
+        check_momentum(momentum)
         momentum = torch.full((), float(momentum), device=input.device)
     y, _, _, new_mean, new_var = torch.ops.tvm_fusion.batch_norm_forward(
         input, running_mean, running_var, weight, bias, training, momentum, eps)

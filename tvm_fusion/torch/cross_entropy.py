@@ -47,6 +47,8 @@ import torch
 
 from .. import api, arrays, records, registry, target_check, targets
 from ..contracts import TargetOutOfRangeError
+from ..contracts.common import check_bool
+from ..contracts.cross_entropy import check_arguments
 from ..contracts.cross_entropy_grad import cross_entropy_grad_problem
 from ..dispatch import kernel_for
 from .function_apply import apply, first_order
@@ -98,11 +100,31 @@ def _through_ops(logits, target, weight, ignore_index, reduction, label_smoothin
     if not isinstance(logits, torch.Tensor):
         raise TypeError(f"{OP}: logits must be a torch tensor, got {type(logits).__name__}; "
                         "tvm_fusion.cross_entropy takes numpy and TVM arrays")
+    if not torch.compiler.is_compiling():  # traced, the op's launch checks what it runs
+        _check_unlaunched(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
     if logits.requires_grad and torch.is_grad_enabled():
         return torch.ops.tvm_fusion.cross_entropy_fused(
             logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)[0]
     return torch.ops.tvm_fusion.cross_entropy(logits, target, weight, ignore_index, reduction, label_smoothing,
                                              check_targets)
+
+
+def _check_unlaunched(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets) -> None:
+    """A launcher's checks for a call that builds none (meta tensors, fake ones,
+    subclasses), which would otherwise get a loss's shape whatever its arguments, and
+    before the dispatcher's own type errors. A symbolic size counts as 1 here (not
+    specialized); the launch checks its value."""
+    def described(name: str, t: Any) -> tuple[tuple[int, ...], str]:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{OP}: {name} must be a torch tensor, got {type(t).__name__}")
+        if t.device != logits.device:
+            raise ValueError(f"{OP}: {name} must be on the same device as logits ({logits.device}), got {t.device}")
+        return tuple(size if isinstance(size, int) else 1 for size in t.shape), str(t.dtype).removeprefix("torch.")
+
+    check_bool(OP, "check_targets", check_targets)
+    check_arguments(OP, *described("logits", logits), *described("target", target),
+                    *((None, "float32") if weight is None else described("weight", weight)),
+                    ignore_index, reduction, label_smoothing)
 
 
 class CrossEntropyLoss(torch.nn.Module):

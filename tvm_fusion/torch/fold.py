@@ -74,6 +74,10 @@ def fold(model: nn.Module, *example_inputs: Any) -> tuple[nn.Module, dict[str, s
         try:
             with torch.no_grad():
                 ShapeProp(graph).propagate(*example_inputs)
+        except Exception as err:  # ShapeProp's RuntimeError names an FX node; the model's own error is its cause
+            cause = err.__cause__ or err
+            raise ValueError(f"fold: the model fails on example_inputs (the forward's arguments), with "
+                             f"{type(cause).__name__}: {cause}") from err
         finally:
             for module, training in modes.items():
                 module.training = training

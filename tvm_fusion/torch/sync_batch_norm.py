@@ -119,6 +119,8 @@ def convert_sync_batchnorm(module: nn.Module, process_group: Any = None) -> nn.M
     buffers (the same tensors), options and mode, as
     ``torch.nn.SyncBatchNorm.convert_sync_batchnorm`` does. A BatchNorm ``module``
     itself comes back as a new module; any other is changed in place and returned."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"convert_sync_batchnorm: module must be a torch.nn.Module, got {type(module).__name__}")
     converted = module
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         # affine without a bias: the constructor option of the torch versions that have one
