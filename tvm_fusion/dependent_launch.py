@@ -52,8 +52,14 @@ checked against float64 first, as built / overlapped, us: 65536x1000 fp16 98.32 
 1558.78 / 1554.34, 3000x50257 fp16 217.74 / 215.67, 128x32000 fp16 (one launch) 14.33 /
 14.27. The probe built the tuning record's own module where one is shipped (all but
 3000x50257 and 128x32000), not today's schedule, which the API builds; for 65536x1000
-that module has 5 launches where the API's kernel has 3. Less than predicted
-(65536x1000 on the H200 from 0.0732 toward 0.066-0.069 ms, 5-10%; here 1.5%). A reason
+that module has 5 launches where the API's kernel has 3. On the API's own kernels
+(``dispatch.kernel_for``; 15:16Z, rows "probe: dependent launch on the API's kernels",
+one run a setting, plain / overlapped): 65536x1000 fp16 98.56 / 97.52, 4096x32000 fp16
+182.64 / 180.42, 3000x50257 fp16 216.42 / 213.19, 16384x50257 bf16 1122.62 / 1126.64,
+8192x128256 bf16 1604.54 / 1691.68 (its plain launches took 1558.78 and 1668.90 in the
+probe before: one run does not settle it). Less than predicted (65536x1000 on the H200
+from 0.0732 toward 0.066-0.069 ms, 5-10%; here 1.1%). Per kernel (CUPTI, 15:17Z) the
+row kernel took 89.82 us of the call's 100.19 plain and 97.02 overlapped. A reason
 that bounds it: only the row kernel's first wave (at most 16 blocks of 128 lanes an SM,
 an eighth of its 16384 blocks) can run ahead of the targets pass, and the loss stage
 needs every row's loss, so it waits at its top.
