@@ -114,7 +114,7 @@ def test_cross_entropy_every_knob_config():
             check_ce(outs, logits, target, weight, "mean", 0.1, "float32")
 
 
-def test_mean_over_all_ignored_rows_is_nan_like_torch():
+def test_mean_over_all_ignored_rows_is_nan_like_torch(poisoned):
     gen = rng()
     logits = random_floats(gen, (5, 11), "float32")
     target = np.full(5, -100)
