@@ -1,6 +1,7 @@
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -11,13 +12,22 @@ from helpers import has_gpu  # noqa: E402
 
 @pytest.fixture
 def poisoned(monkeypatch):
-    """Every output the launchers allocate from now on starts as NaN (or -7777)."""
+    """Every output the launchers allocate from now on (torch tensors and numpy arrays)
+    starts as NaN (or -7777)."""
     from tvm_fusion import arrays, records
 
     plain = arrays.Kind.allocator
 
     def allocator(self, shape, dtype, *args, **kwargs):
         allocate = plain(self, shape, dtype, *args, **kwargs)
+        if self.name == "numpy":  # np.empty: its garbage may hold the zeros a test expects
+
+            def poisoned_numpy():
+                out = allocate()
+                out.fill(-7777 if np.issubdtype(out.dtype, np.integer) else np.nan)
+                return out
+
+            return poisoned_numpy
         if self.name != "torch":
             return allocate
 

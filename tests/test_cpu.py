@@ -114,7 +114,7 @@ def test_cross_entropy_every_knob_config():
             check_ce(outs, logits, target, weight, "mean", 0.1, "float32")
 
 
-def test_mean_over_all_ignored_rows_is_nan_like_torch():
+def test_mean_over_all_ignored_rows_is_nan_like_torch(poisoned):
     gen = rng()
     logits = random_floats(gen, (5, 11), "float32")
     target = np.full(5, -100)
@@ -157,7 +157,7 @@ def test_api_with_torch_cpu_tensors_matches_torch(dtype):
     x = torch.from_numpy(random_floats(gen, (4, 6, 5, 7), "float32")).to(getattr(torch, dtype))
     mean, var = tf.bn_stats(x)
     assert isinstance(mean, torch.Tensor) and mean.dtype == torch.float32
-    ref_var, ref_mean = torch.var_mean(x.float(), dim=(0, 2, 3), unbiased=False)
+    ref_var, ref_mean = torch.var_mean(x.double(), dim=(0, 2, 3), unbiased=False)
     assert_close(mean.numpy(), ref_mean.numpy(), 1e-5, 1e-5, "mean vs torch")
     assert_close(var.numpy(), ref_var.numpy(), 1e-5, 1e-5, "var vs torch")
 
@@ -167,7 +167,8 @@ def test_api_with_torch_cpu_tensors_matches_torch(dtype):
         for smoothing in (0.0, 0.3):
             ours = tf.cross_entropy(lt, torch.from_numpy(target), torch.from_numpy(weight), reduction=reduction, label_smoothing=smoothing)
             theirs = torch.nn.functional.cross_entropy(
-                lt.float(), torch.from_numpy(target), torch.from_numpy(weight), reduction=reduction, label_smoothing=smoothing,
+                lt.double(), torch.from_numpy(target), torch.from_numpy(weight).double(), reduction=reduction,
+                label_smoothing=smoothing,
             )
             assert isinstance(ours, torch.Tensor) and ours.shape == theirs.shape
             assert_close(ours.numpy(), theirs.numpy(), 2e-5, 2e-5, f"ce {reduction} {smoothing}")

@@ -374,12 +374,12 @@ def test_cpu_candidates_match_torch_autograd(mode, reduction, weighted, smoothin
     logits, target, weight = case(gen, 16, 50, weighted=weighted)
     problem = problem_for(logits, target, weight, reduction, smoothing, mode)
     outs, dloss = run_cpu(problem, gen, logits, target, weight)
-    x = torch.from_numpy(logits).requires_grad_()
+    x = torch.from_numpy(logits).double().requires_grad_()
     loss = torch.nn.functional.cross_entropy(
-        x, torch.from_numpy(target), None if weight is None else torch.from_numpy(weight),
+        x, torch.from_numpy(target), None if weight is None else torch.from_numpy(weight).double(),
         reduction=reduction, label_smoothing=smoothing,
     )
-    upstream = torch.ones_like(loss) if dloss is None else torch.from_numpy(dloss).reshape(loss.shape)
+    upstream = torch.ones_like(loss) if dloss is None else torch.from_numpy(dloss).double().reshape(loss.shape)
     (expected,) = torch.autograd.grad(loss, x, upstream)
     scale = float(expected.abs().max())
     assert_close(outs["dlogits"], expected.numpy(), 1e-5, 1e-6 * max(scale, 1e-30), "dlogits vs torch")
