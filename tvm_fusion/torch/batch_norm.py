@@ -92,9 +92,7 @@ def _check_unlaunched(input, running_mean, running_var, weight, bias, training, 
     a size is symbolic the contract's checks of the sizes wait for the launch."""
     view = _check_arguments(input, running_mean, running_var, weight, bias, training)
     if all(isinstance(size, int) for size in input.shape):
-        bn_forward_problem(view.shape, str(input.dtype).removeprefix("torch."), view.layout,
-                           affine=weight is not None or bias is not None, training=training,
-                           track_running=running_mean is not None, eps=eps)
+        view.problem(input, bn_forward_problem, **_forward_options(running_mean, weight, bias, training, eps))
 
 
 class _BatchNormMixin:
@@ -163,6 +161,10 @@ class _View:
         natural shape."""
         self.kernel_shape, self.reshape = tuple(shape), tuple(shape) != self.natural_shape
 
+    def problem(self, input: torch.Tensor, make_problem: Callable[..., Any], **options: Any) -> Any:
+        """``make_problem(shape, dtype, layout, **options)`` on this view: the contract's checks."""
+        return make_problem(self.shape, str(input.dtype).removeprefix("torch."), self.layout, **options)
+
     def kernel(self, input: torch.Tensor, make_problem: Callable[..., Any], as_called: tuple[str, ...],
                op: str = OP, **options: Any) -> tuple:
         """``(problem, kernel, kind)``: ``make_problem(shape, dtype, layout, **options)``
@@ -170,7 +172,7 @@ class _View:
         the parameters named in ``as_called`` (those of the input's shape) in the natural
         shape, and the input's array kind (outputs are allocated from it; ``op`` names
         the call in its errors)."""
-        problem = make_problem(self.shape, str(input.dtype).removeprefix("torch."), self.layout, **options)
+        problem = self.problem(input, make_problem, **options)
         shapes = ()
         if tuple(problem.shape) != self.natural_shape:
             shapes = tuple((name, self.natural_shape) for name in as_called)
@@ -247,6 +249,12 @@ def forward(input: torch.Tensor, running_mean: torch.Tensor | None, running_var:
         raise
 
 
+def _forward_options(running_mean, weight, bias, training, eps) -> dict[str, Any]:
+    """The forward problem's options for these arguments."""
+    return {"affine": weight is not None or bias is not None, "training": training,
+            "track_running": running_mean is not None, "eps": eps}
+
+
 def _dtype(t: Any) -> Any:
     return None if t is None else getattr(t, "dtype", t.__class__)
 
@@ -272,9 +280,9 @@ def _check_arguments(input, running_mean, running_var, weight, bias, training) -
 def _forward_launcher(key, input, running_mean, running_var, weight, bias, training, eps, in_place):
     view = _check_arguments(input, running_mean, running_var, weight, bias, training)
     channels = input.shape[1]
-    affine, track = weight is not None or bias is not None, running_mean is not None
-    problem, kernel, kind = view.kernel(input, bn_forward_problem, ("x", "y"), affine=affine, training=training,
-                                        track_running=track, eps=eps)
+    options = _forward_options(running_mean, weight, bias, training, eps)
+    affine, track = options["affine"], options["track_running"]
+    problem, kernel, kind = view.kernel(input, bn_forward_problem, ("x", "y"), **options)
     func, device, updates = kernel.func, input.device, problem.updates_running
     new_y, new_vector = view.output(kind, kernel.outputs[0][2]), kind.allocator((channels,), "float32")
     weight_of, bias_of = _parameter(channels, device, 1.0), _parameter(channels, device, 0.0)
@@ -383,7 +391,7 @@ def _momentum(momentum: Any, device: torch.device) -> torch.Tensor:
             raise ValueError(f"{OP}: a momentum tensor must be 0-d on {device}, got shape "
                              f"{tuple(momentum.shape)} on {momentum.device}")
         return momentum if momentum.dtype is torch.float32 else momentum.to(torch.float32)
-    if isinstance(momentum, bool) or not isinstance(momentum, (int, float)):  # the ABC's test off the common path
+    if type(momentum) not in (float, int):  # the ABC's test (check_momentum) off the common path
         check_momentum(momentum)
     return _constant(("momentum", float(momentum), device), lambda: torch.full((), float(momentum), device=device))
 
