@@ -77,9 +77,11 @@ def _prepared(kernel: Any, inputs: list[Any], device: Any) -> list[Any]:
     and a zeroed launch counter if the kernel takes one."""
     import torch
 
+    from . import single_launch
+
     outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, shape, dtype in kernel.outputs]
     workspace = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, shape, dtype in kernel.workspace]
-    counter = [torch.zeros(1, dtype=torch.int32, device=device)] if kernel.counted else []
+    counter = [torch.zeros(single_launch.COUNTER_INTS, dtype=torch.int32, device=device)] if kernel.counted else []
     return [*inputs, *outs, *workspace, *counter]
 
 

@@ -25,7 +25,7 @@ import tvm_ffi
 import tvm.support.nvcc  # noqa: F401  (registers the CUDA JIT callback used at load on a GPU)
 from tvm.target import Target
 
-from . import async_copy, dependent_launch, granule_stores, launch_order, registry, single_launch, store_hints, targets
+from . import async_copy, dependent_launch, folded_prologue, granule_stores, launch_order, registry, single_launch, store_hints, targets
 from .compute import prim_func
 from .contracts import Problem
 from .registry import Knobs
@@ -284,7 +284,7 @@ def build_kernel(
     # the evict-first stores, the asynchronous copies or the overlap switched (an A/B in
     # one process) is another kernel.
     cache_key = (problem, str(target), candidate, knobs, None if mod is None else tvm_ffi.structural_hash(mod),
-                 input_shapes, single_launch.ENABLED, launch_order.ENABLED, store_hints.ENABLED, async_copy.ENABLED,
+                 input_shapes, single_launch.ENABLED, folded_prologue.ENABLED, launch_order.ENABLED, store_hints.ENABLED, async_copy.ENABLED,
                  overlapped, WORKSPACE_PARAMS)
     with _LOCK:
         if cache_key in _CACHE:
@@ -296,6 +296,7 @@ def build_kernel(
         compiled = compiled_form(mod, problem, input_shapes, workspace=WORKSPACE_PARAMS and target.kind.name == "cuda")
         if overlapped:
             compiled = dependent_launch.asked(compiled, problem)
+        compiled = folded_prologue.asked(compiled, candidate)
         pipeline = launch_order.PIPELINE
         if target.kind.name == "cuda" and problem.op in SINGLE_LAUNCH_OPS and single_launch.ENABLED:
             compiled, pipeline = single_launch.with_launch_counter(compiled), single_launch.PIPELINE

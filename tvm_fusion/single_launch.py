@@ -25,7 +25,7 @@ consecutive launches of one block each with the same thread extents are joined i
 second kernel of a pair (``cross_entropy_split_row``: a block a row part, then a fold
 block and a batch block, one launch).
 
-``launch_counter`` is a zeroed int32 (1,) parameter that :func:`with_launch_counter`
+``launch_counter`` is a zeroed int32 (COUNTER_INTS,) parameter that :func:`with_launch_counter`
 appends to ``main``; each API launcher passes one of its own per CUDA stream
 (``arrays.Kind.scratch``), a direct kernel call (``Kernel.func``) one per stream here.
 Where the pass cannot merge (one kernel, different thread extents, a second kernel of
@@ -45,7 +45,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from . import launch_order
+from . import folded_prologue, launch_order
 from .stmts import seq, statements, thread_attr
 
 COUNTER = "launch_counter"
@@ -56,12 +56,16 @@ ENABLED = os.environ.get("TVM_FUSION_SINGLE_LAUNCH", "1") != "0"
 # its blocks spread over the SMs.
 MAX_SERIAL_BLOCKS = 4
 PIPELINE = "tvm_fusion_single_launch"
+# The counter's ints: slot 0 the merged pairs' ticket, the others folded_prologue's
+# (each in its own 128-byte line).
+COUNTER_INTS = folded_prologue.COUNTER_INTS
 
 
 def with_launch_counter(mod: tvm.IRModule) -> tvm.IRModule:
-    """``mod`` with an int32 (1,) ``launch_counter`` parameter appended to ``main``."""
+    """``mod`` with a zeroed int32 (COUNTER_INTS,) ``launch_counter`` parameter appended
+    to ``main``."""
     func = mod["main"]
-    counter = tirx.decl_buffer((1,), "int32", COUNTER, data_alignment=16)
+    counter = tirx.decl_buffer((COUNTER_INTS,), "int32", COUNTER, data_alignment=16)
     new = tirx.PrimFunc([*func.params, counter], func.body, func.ret_type, func.attrs)
     out = tvm.IRModule(dict(mod.functions))
     out["main"] = new
@@ -153,7 +157,7 @@ def _pair(first_launch, second_launch):
     body)`` where the two launches may become one, else None: both plain launch nests
     with the same thread tags and extents, no thread attribute below either nest (a lane
     the ticket's lane-0 test, or the barrier, would not see), and no ticket already in
-    either (a merged launch would share the counter)."""
+    either (a merged launch would share the counter's slot 0)."""
     first, second = _launch_nest(first_launch), _launch_nest(second_launch)
     if first is None or second is None:
         return None
@@ -162,7 +166,7 @@ def _pair(first_launch, second_launch):
         return None
     first_body = _innermost_body(first_launch)
     for script in (first_body.script(), inner2.body.script()):
-        if "launch_thread" in script or COUNTER in script:
+        if "launch_thread" in script or f"{COUNTER}[0]" in script:  # other slots: folded_prologue's
             return None
     return blocks1, threads1, blocks2, first_body
 
@@ -263,13 +267,15 @@ def merge_launches(mod, _ctx):
 
 
 def _single_launch_pipeline(**kwargs):
-    """TVM's s_tir pipeline with :func:`merge_launches` between its cross-thread
-    lowering (and ``launch_order``'s reversal of marked loops) and its host/device split."""
+    """TVM's s_tir pipeline with :func:`merge_launches` (after ``folded_prologue``'s
+    fold, where switched on) between its cross-thread lowering (and ``launch_order``'s
+    reversal of marked loops) and its host/device split."""
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.SingleLaunchPipeline")
     def run(mod, ctx):
-        return launch_order.tail()(merge_launches(launch_order.lowered(pipeline, mod, ctx)))
+        folded = folded_prologue.fold_prologue(launch_order.lowered(pipeline, mod, ctx))
+        return launch_order.tail()(merge_launches(folded))
 
     return run, finalize_host, finalize_device
 
@@ -296,11 +302,11 @@ def torch_counter(index: int) -> Callable[[], Any]:
 
     def get() -> Any:
         if capturing():
-            return torch.zeros(1, dtype=torch.int32, device=device)
+            return torch.zeros(COUNTER_INTS, dtype=torch.int32, device=device)
         key = (index, current_stream(index))
         found = _PER_STREAM.get(key)
         if found is None:
-            found = _PER_STREAM.setdefault(key, torch.zeros(1, dtype=torch.int32, device=device))
+            found = _PER_STREAM.setdefault(key, torch.zeros(COUNTER_INTS, dtype=torch.int32, device=device))
         return found
 
     return get
@@ -311,7 +317,7 @@ def tvm_counter(device: Any) -> Any:
     key = (device.dlpack_device_type(), device.index)
     found = _PER_DEVICE.get(key)
     if found is None:
-        found = _PER_DEVICE.setdefault(key, tvm.runtime.tensor(np.zeros(1, np.int32), device))
+        found = _PER_DEVICE.setdefault(key, tvm.runtime.tensor(np.zeros(COUNTER_INTS, np.int32), device))
     return found
 
 

@@ -131,14 +131,16 @@ def batch_chunks(rows: int) -> int:
 
 
 def one_block_reduce(
-    sch: s_tir.Schedule, name: str, threads: int = MAX_THREADS, epilogues: tuple[str, ...] = ()
+    sch: s_tir.Schedule, name: str, threads: int = MAX_THREADS, epilogues: tuple[str, ...] = (),
+    chunk_threads: int = CHUNK_THREADS,
 ) -> None:
     """A reduction to one value in one block: each thread strides over the reduced
     axis, then the cross-thread step (shuffles within warps, shared memory across).
     With ``epilogues`` the result stays in shared memory and thread 0 runs each
     epilogue (the copies into the function's outputs). Where :func:`batch_chunks`
     cuts the rows, a first kernel of one block a chunk writes partials (an rfactor),
-    and the block reduces those, on as many lanes as the partials kernel has."""
+    and the block reduces those, on as many lanes as the partials kernel has
+    (``chunk_threads``)."""
     block = sch.get_sblock(name)
     unit, reduced = sch.get_loops(block)
     chunks = batch_chunks(int(sch.get(reduced).extent))
@@ -147,12 +149,12 @@ def one_block_reduce(
         partial = sch.rfactor(chunk, 0)
         partial_unit, chunk, within = sch.get_loops(partial)
         sch.bind(sch.fuse(partial_unit, chunk), "blockIdx.x")
-        serial, lane = sch.split(within, [None, CHUNK_THREADS])
+        serial, lane = sch.split(within, [None, chunk_threads])
         sch.reorder(lane, serial)
         sch.bind(lane, "threadIdx.x")
         unit, reduced = sch.get_loops(block)
         # The partials kernel's lanes, so that single_launch runs this block in its last one.
-        threads = CHUNK_THREADS
+        threads = chunk_threads
     sch.bind(unit, "blockIdx.x")
     serial, lane = sch.split(reduced, [None, threads])
     sch.reorder(lane, serial)
@@ -167,14 +169,17 @@ def one_block_reduce(
 
 
 # -- the cross entropy gradient ---------------------------------------------------
-def schedule_grad_prologue(sch: s_tir.Schedule, problem) -> None:
+def schedule_grad_prologue(sch: s_tir.Schedule, problem, row_lanes: int | None = None) -> None:
     """The gradient's first kernels, one block each, before any row: the pass over the
     targets (fused: the first bad row, and for the mean its denominator; from_lse: the
-    mean's denominator) and, from_lse with weight and smoothing, the weights' sum."""
+    mean's denominator) and, from_lse with weight and smoothing, the weights' sum.
+    ``row_lanes``: the row kernel's lanes, which a fused targets pass cut into chunks
+    then takes (:mod:`tvm_fusion.folded_prologue` runs it in the row kernel's blocks)."""
+    lanes = row_lanes if row_lanes is not None and batch_chunks(problem.batch) > 1 else CHUNK_THREADS
     if problem.mode == "fused" and problem.reduction == "mean":
-        one_block_reduce(sch, "target_stats", epilogues=("first_bad_row", "denom"))
+        one_block_reduce(sch, "target_stats", epilogues=("first_bad_row", "denom"), chunk_threads=lanes)
     elif problem.mode == "fused":
-        one_block_reduce(sch, "first_bad_row")
+        one_block_reduce(sch, "first_bad_row", chunk_threads=lanes)
     elif problem.reduction == "mean":
         one_block_reduce(sch, "denom")
     if problem.mode == "from_lse" and problem.has_weight and problem.label_smoothing > 0.0:

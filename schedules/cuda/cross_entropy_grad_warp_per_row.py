@@ -29,12 +29,13 @@ between: the forward candidate's lesson from the GPU sweep).
 
 from __future__ import annotations
 
+from tvm_fusion import folded_prologue
 from tvm_fusion.contracts import CrossEntropyGradProblem
 from tvm_fusion.registry import Candidate, register
 
 from ..common import coefficients_at, outputs_to, row_loss_name, single_thread, thread_reduce
 from .cross_entropy_warp_per_row import CrossEntropyWarpPerRow, WarpPerRowKnobs
-from .common import WARP, grad_map, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
+from .common import WARP, grad_map, knobs_value, merge_grad_rows, schedule_grad_batch_stage, schedule_grad_prologue
 
 @register
 class CrossEntropyGradWarpPerRow(Candidate):
@@ -62,8 +63,8 @@ class CrossEntropyGradWarpPerRow(Candidate):
 def grad_warp_rows(sch, problem: CrossEntropyGradProblem, rows, vector, unroll, staged: str = "logits") -> None:
     """The three kernels above: ``rows`` warps a block, each row's statistics over
     ``staged`` (the buffer they read) and its ``dlogits`` map, ``vector`` values a load."""
-    # Kernel 1: the targets pass.
-    schedule_grad_prologue(sch, problem)
+    # Kernel 1: the targets pass (on the row kernel's lanes where it is folded into it).
+    schedule_grad_prologue(sch, problem, WARP * knobs_value(sch, rows) if folded_prologue.ENABLED else None)
     # 1. One row loop over (blockIdx.x, threadIdx.y).
     dlogits_row = sch.get_loops(sch.get_sblock("dlogits"))[0]
     coefficients_at(sch, problem, dlogits_row, "local")

@@ -1,0 +1,279 @@
+"""The cross entropy gradient's targets pass run by its row kernel's blocks: one launch
+before the rows fewer.
+
+Why: the fused gradient of 65536x1000 fp16 is three launches, the pass over the targets
+(64 blocks of partial counts, then one block for the mean's denominator and the first bad
+row), the row kernel (16384 blocks) and the loss stage. On the H100 (CUPTI, rows "probe:
+launch parts" of results/benchmarks.csv, 2026-12-07T15:17Z) the targets pass took 3.23
+us and the row kernel 89.82 of a 100.19 us call; overlapped (``dependent_launch``) the row
+kernel's first wave still waits for the whole targets grid before it reads the
+denominator. Here the row kernel's own blocks do that pass, and only its first wave can
+wait for it, for less: no grid to launch and drain in between.
+
+How (a lowering pass, after TVM's cross-thread lowering and before ``single_launch``
+merges launch pairs). Where a function's first launches are a targets pass of ``K``
+blocks (``K`` > 1) then one block, then a row kernel of at least ``K`` blocks on the same
+number of lanes, the three become one launch of the row kernel's grid:
+
+1. The targets pass as chunks: chunk ``j`` is the pass's block ``j``, its thread index
+   the row block's linear one (``threadIdx.x + blockDim.x * threadIdx.y``: the lanes of
+   a warp stay a warp, so the pass's shuffles are the hardware's). After a chunk its
+   block fences its stores and takes a ticket (``A_DONE``); the block of the last ticket
+   runs the pass's final block and resets that counter.
+2. Where the rows read nothing the pass writes (the sum and ``"none"`` reductions: the
+   pass only finds the first bad row), row block ``j < K`` runs chunk ``j`` first, and no
+   row waits.
+3. Where they do (the mean: its denominator), a block runs chunks before the first
+   statement that reads what the pass writes, claiming them one at a time from a counter
+   (``A_NEXT``), until none is left; then its lane 0 waits until the final block has set
+   ``FLAG`` (a ``__ldcv`` load in a loop with ``__nanosleep``), and a fence and a barrier
+   later its lanes read the denominator. A block that had seen the flag set at its start
+   skips both. Blocks ``j < K`` claim chunks at their start too, so the pass starts with
+   the kernel. No block can wait for a chunk nobody runs: a block waits only after the
+   claims are exhausted, and every claimed chunk belongs to a block that is running and
+   waits for nothing before finishing it. The loss stage's last block (the next launch,
+   which starts after every row block has finished) resets ``A_NEXT`` and ``FLAG``; the
+   mean always has one.
+
+The counters live in ``single_launch``'s launch counter, each in its own 128-byte line
+(slot 0 stays the merged pairs' ticket). ``TVM_FUSION_FOLD_PROLOGUE=1`` switches the pass
+on (off by default until a GPU A/B shows it faster; in the kernel cache's key), and the
+warp-per-row gradient schedules then give the targets pass the row kernel's lane count.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import tvm
+from tvm import tirx
+
+from .stmts import seq, statements, thread_attr
+
+ENABLED = os.environ.get("TVM_FUSION_FOLD_PROLOGUE", "0") == "1"
+# The candidates whose builds ask for it: their schedules give the targets pass the row
+# kernel's lanes, and their row kernels are the ones checked on the GPU.
+CANDIDATES = frozenset({"cross_entropy_grad_warp_per_row", "cross_entropy_grad_warp_per_row_padded"})
+ATTR = "tvm_fusion_fold_prologue"  # the function attribute that asks for the fold
+SLOT = 32  # ints: a counter a 128-byte line, so that spinning on one never slows the others
+A_NEXT, A_DONE, FLAG = SLOT, 2 * SLOT, 3 * SLOT
+COUNTER_INTS = 4 * SLOT
+SLEEP_NS = 64  # a waiting lane's pause between two loads of the flag
+
+
+def _extern(dtype: str, name: str, *args) -> tirx.PrimExpr:
+    return tirx.call_extern(dtype, name, *args)
+
+
+def _sync() -> tirx.Stmt:
+    return tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
+
+
+def _fence() -> tirx.Stmt:
+    return tirx.Evaluate(_extern("int32", "__threadfence"))
+
+
+def _slot(counter: tirx.Buffer, slot: int) -> tirx.PrimExpr:
+    return tirx.address_of(tirx.BufferLoad(counter, [slot]))
+
+
+def _nest(launch):
+    """(blocks, threads, innermost body, prefix declarations) of a launch: each dim
+    (tag, var, extent); None when the launch is not a plain nest of thread attributes
+    each holding declarations then the next attribute."""
+    blocks, threads, prefix, stmt = [], [], [], launch
+    while True:
+        if not thread_attr(stmt):
+            return None
+        dims = blocks if stmt.node.thread_tag.startswith("blockIdx") else threads
+        if dims is blocks and threads:
+            return None
+        dims.append((stmt.node.thread_tag, stmt.node.var, int(stmt.value)))
+        body = statements(stmt.body)
+        if thread_attr(body[-1]):
+            if any(thread_attr(s) for s in body[:-1]):
+                return None
+            prefix.extend(body[:-1])
+            stmt = body[-1]
+            continue
+        return blocks, threads, stmt.body, prefix
+
+
+def _launch_free(stmt: tirx.Stmt, counter: tirx.Buffer) -> bool:
+    """No thread attribute below ``stmt`` and no use of the launch counter."""
+    script = stmt.script()
+    return "launch_thread" not in script and counter.name not in script
+
+
+def _as_chunk(nest, lanes: tirx.PrimExpr, block: tirx.PrimExpr) -> list[tirx.Stmt]:
+    """A targets-pass launch's statements for a row block: its thread index bound to the
+    row block's linear one, its block index to ``block``."""
+    blocks, threads, body, prefix = nest
+    (_, tvar, _), = threads
+    binds = [tirx.Bind(tvar, lanes if lanes.ty.dtype == tvar.ty.dtype else tirx.Cast(tvar.ty.dtype, lanes))]
+    for _, bvar, _ in blocks:
+        value = block if block.ty.dtype == bvar.ty.dtype else tirx.Cast(bvar.ty.dtype, block)
+        binds.append(tirx.Bind(bvar, value))
+    return [*binds, *prefix, *statements(body)]
+
+
+def _global_names(stmt: tirx.Stmt) -> tuple[set[str], set[str]]:
+    from .dependent_launch import accesses
+
+    return accesses(stmt)
+
+
+def asked(mod: tvm.IRModule, candidate: str) -> tvm.IRModule:
+    """``mod`` (a build's) with each function asking for the fold where it is switched on
+    and ``candidate`` is one of :data:`CANDIDATES`."""
+    if not ENABLED or candidate not in CANDIDATES:
+        return mod
+    return tvm.IRModule({gvar: func.with_attr(ATTR, True) if isinstance(func, tirx.PrimFunc) else func
+                         for gvar, func in mod.functions.items()})
+
+
+def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with its targets pass folded into its row kernel (module docstring), or
+    unchanged where the build did not ask (:func:`asked`) or its launches are not that
+    shape."""
+    from .single_launch import _counter
+
+    counter = _counter(func)
+    if (counter is None or int(counter.shape[0]) < COUNTER_INTS or func.attrs is None
+            or not func.attrs.get(ATTR, False)):
+        return func
+    top = statements(func.body)
+    launches = [i for i, s in enumerate(top) if thread_attr(s, "blockIdx")]
+    if len(launches) < 3 or launches[1] != launches[0] + 1 or launches[2] != launches[0] + 2:
+        return func
+    i = launches[0]
+    first, final, rows = (_nest(top[i + k]) for k in range(3))
+    if first is None or final is None or rows is None:
+        return func
+    (b1, t1, body1, _), (b2, t2, body2, _), (br, tr, bodyr, _) = first, final, rows
+    lanes = math.prod(e for _, _, e in tr)
+    chunks = math.prod(e for _, _, e in b1)
+    grid = math.prod(e for _, _, e in br)
+    if (len(b1) != 1 or len(br) != 1 or chunks < 2 or math.prod(e for _, _, e in b2) != 1 or grid < chunks
+            or [(t, e) for t, _, e in t1] != [("threadIdx.x", lanes)] or [(t, e) for t, _, e in t2] != [("threadIdx.x", lanes)]
+            or not all(_launch_free(b, counter) for b in (body1, body2, bodyr))):
+        return func
+    pass_reads, pass_writes = _global_names(top[i])
+    final_reads, final_writes = _global_names(top[i + 1])
+    pass_reads, pass_writes = pass_reads | final_reads, pass_writes | final_writes
+    row_reads, row_writes = _global_names(top[i + 2])
+    if row_writes & pass_reads:
+        return func
+    by_tag = {tag: var for tag, var, _ in tr}
+    linear, stride = None, 1
+    for tag in ("threadIdx.x", "threadIdx.y", "threadIdx.z"):
+        extent = next((e for t, _, e in tr if t == tag), 1)
+        if tag in by_tag:
+            term = by_tag[tag] if stride == 1 else by_tag[tag] * stride
+            linear = term if linear is None else linear + term
+        stride *= extent
+    lane_zero = None
+    for _, var, _ in tr:
+        lane_zero = var == 0 if lane_zero is None else tirx.And(lane_zero, var == 0)
+    row_block = br[0][1]
+    waits = [n for n, s in enumerate(statements(bodyr)) if _global_names(s)[0] & pass_writes]
+
+    last = tirx.decl_buffer((1,), "int32", "fold_last", scope="shared")
+    done = tirx.Var("fold_done", "int32")
+
+    def chunk(j: tirx.PrimExpr, release: bool) -> list[tirx.Stmt]:
+        """Chunk ``j``, then the ticket; the last ticket's block runs the final block
+        (and, ``release``, sets the flag)."""
+        after_final = [_fence(), _sync(), tirx.IfThenElse(lane_zero, tirx.Evaluate(
+            _extern("int32", "atomicExch", _slot(counter, FLAG), 1)), None)] if release else []
+        return [
+            *_as_chunk(first, linear, j), _fence(), _sync(),
+            tirx.IfThenElse(lane_zero, tirx.SeqStmt([
+                tirx.Bind(done, _extern("int32", "atomicAdd", _slot(counter, A_DONE), 1)),
+                tirx.BufferStore(last, tirx.Select(done == chunks - 1, 1, 0), [0]),
+                tirx.IfThenElse(done == chunks - 1, tirx.BufferStore(counter, tirx.const(0, "int32"), [A_DONE]), None),
+            ]), None),
+            _sync(),
+            tirx.IfThenElse(tirx.BufferLoad(last, [0]) != 0,
+                            tirx.SeqStmt([_fence(), *_as_chunk(final, linear, tirx.const(0, "int32")), *after_final]), None),
+            _sync(),
+        ]
+
+    body = statements(bodyr)
+    if not waits:
+        start = tirx.IfThenElse(row_block < chunks, tirx.SeqStmt(chunk(row_block, False)), None)
+        new_rows = [tirx.AllocBuffer(last), start, *body]
+    else:
+        at = waits[0]
+        claim = tirx.decl_buffer((1,), "int32", "fold_claim", scope="shared")
+        seen = tirx.decl_buffer((1,), "int32", "fold_seen", scope="local")
+        j = tirx.Var("fold_chunk", "int32")
+
+        def claims() -> tirx.Stmt:
+            take = tirx.IfThenElse(lane_zero, tirx.BufferStore(
+                claim, _extern("int32", "atomicAdd", _slot(counter, A_NEXT), 1), [0]), None)
+            loop = tirx.While(tirx.BufferLoad(claim, [0]) < chunks, tirx.SeqStmt([
+                tirx.Bind(j, tirx.BufferLoad(claim, [0])), _sync(), *chunk(j, True), take, _sync()]))
+            return tirx.SeqStmt([take, _sync(), loop])
+
+        spin = tirx.While(_extern("int32", "__ldcv", _slot(counter, FLAG)) == 0,
+                          tirx.Evaluate(_extern("int32", "__nanosleep", SLEEP_NS)))
+        wait = [
+            tirx.IfThenElse(lane_zero, tirx.BufferStore(claim, tirx.BufferLoad(seen, [0]), [0]), None),
+            _sync(),
+            tirx.IfThenElse(tirx.BufferLoad(claim, [0]) == 0, tirx.SeqStmt([
+                _sync(), claims(), tirx.IfThenElse(lane_zero, spin, None), _fence()]), None),
+            _sync(),
+        ]
+        new_rows = [
+            tirx.AllocBuffer(last), tirx.AllocBuffer(claim), tirx.AllocBuffer(seen),
+            tirx.BufferStore(seen, tirx.const(1, "int32"), [0]),
+            tirx.IfThenElse(lane_zero, tirx.BufferStore(seen, _extern("int32", "__ldcv", _slot(counter, FLAG)), [0]), None),
+            tirx.IfThenElse(row_block < chunks, tirx.SeqStmt([_sync(), claims()]), None),
+            *body[:at], *wait, *body[at:],
+        ]
+        # The loss stage (the next launch) resets the claims and the flag; without one, no fold.
+        rest = [n for n in launches if n > i + 2]
+        reset = _with_reset(top[rest[-1]], counter) if rest else None
+        if reset is None:
+            return func
+        top[rest[-1]] = reset
+    from .single_launch import _replace_innermost
+
+    top[i:i + 3] = [_replace_innermost(top[i + 2], seq(new_rows))]
+    return func.with_body(seq(top))
+
+
+def _with_reset(launch, counter: tirx.Buffer):
+    """``launch`` (the loss stage's final block) with its lane 0 resetting the claims
+    counter and the flag at its end; None where it is no plain launch nest."""
+    from .single_launch import _replace_innermost
+
+    nest = _nest(launch)
+    if nest is None:
+        return None
+    _, threads, body, _ = nest
+    lane_zero = None
+    for _, var, _ in threads:
+        lane_zero = var == 0 if lane_zero is None else tirx.And(lane_zero, var == 0)
+    reset = tirx.IfThenElse(lane_zero, tirx.SeqStmt([
+        tirx.BufferStore(counter, tirx.const(0, "int32"), [A_NEXT]),
+        tirx.BufferStore(counter, tirx.const(0, "int32"), [FLAG])]), None)
+    return _replace_innermost(launch, tirx.SeqStmt([*statements(body), reset]))
+
+
+@tvm.transform.module_pass(opt_level=0, name="tvm_fusion.FoldPrologue")
+def fold_prologue(mod, _ctx):
+    """:func:`fold` on every function of ``mod`` when :data:`ENABLED`."""
+    if not ENABLED:
+        return mod
+    changed = False
+    for gvar, func in list(mod.functions.items()):
+        if isinstance(func, tirx.PrimFunc):
+            folded = fold(func)
+            changed = changed or not folded.same_as(func)
+            mod[gvar] = folded
+    # The claims run at two places (a block's start and its wait), each a copy of the
+    # targets pass's statements: ConvertSSA gives the second copy's variables new names.
+    return tirx.transform.ConvertSSA()(mod) if changed else mod
