@@ -59,7 +59,10 @@ ATTR = "tvm_fusion_fold_prologue"  # the function attribute that asks for the fo
 SLOT = 32  # ints: a counter a 128-byte line, so that spinning on one never slows the others
 A_NEXT, A_DONE, FLAG = SLOT, 2 * SLOT, 3 * SLOT
 COUNTER_INTS = 4 * SLOT
-SLEEP_NS = 64  # a waiting lane's pause between two loads of the flag
+# A waiting lane's pause between two loads of the flag: every block of the first wave
+# may wait, each load is one L2 request to one line, and more than about one request a
+# clock to a line queues at its L2 slice. TVM_FUSION_FOLD_SLEEP_NS sets another (an A/B).
+SLEEP_NS = int(os.environ.get("TVM_FUSION_FOLD_SLEEP_NS", "256"))
 
 
 def _extern(dtype: str, name: str, *args) -> tirx.PrimExpr:
