@@ -28,7 +28,9 @@ number of lanes, the three become one launch of the row kernel's grid:
    (``A_NEXT``), until none is left; then its lane 0 waits until the final block has set
    ``FLAG`` (a ``__ldcv`` load in a loop with ``__nanosleep``), and a fence and a barrier
    later its lanes read the denominator. A block that had seen the flag set at its start
-   skips both. Blocks ``j < K`` claim chunks at their start too, so the pass starts with
+   skips the claims and the wait (not the fence). Whether it had travels through a shared
+   word of its own: the claims' word may still be read by a warp leaving the first claims
+   (the rows' statistics have no block barrier). Blocks ``j < K`` claim chunks at their start too, so the pass starts with
    the kernel. No block can wait for a chunk nobody runs: a block waits only after the
    claims are exhausted, and every claimed chunk belongs to a block that is running and
    waits for nothing before finishing it. The loss stage's last block (the next launch,
@@ -36,7 +38,11 @@ number of lanes, the three become one launch of the row kernel's grid:
    mean always has one.
 
 The counters live in ``single_launch``'s launch counter, each in its own 128-byte line
-(slot 0 stays the merged pairs' ticket). ``TVM_FUSION_FOLD_PROLOGUE=1`` switches the pass
+(slot 0 stays the merged pairs' ticket). Two calls must not share a counter while both
+run: the torch launchers keep one a stream (and one a call under graph capture), but
+calls on TVM tensors share their device's, so such calls on two streams at once could
+wait forever (a loss stage resetting the flag another call's blocks wait on), where an
+unfolded merge would give a wrong loss. ``TVM_FUSION_FOLD_PROLOGUE=1`` switches the pass
 on (off by default until a GPU A/B shows it faster; in the kernel cache's key), and the
 warp-per-row gradient schedules then give the targets pass the row kernel's lane count.
 """
@@ -154,7 +160,7 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
     first, final, rows = (_nest(top[i + k]) for k in range(3))
     if first is None or final is None or rows is None:
         return func
-    (b1, t1, body1, _), (b2, t2, body2, _), (br, tr, bodyr, _) = first, final, rows
+    (b1, t1, body1, _), (b2, t2, body2, _), (br, tr, bodyr, row_prefix) = first, final, rows
     lanes = math.prod(e for _, _, e in tr)
     chunks = math.prod(e for _, _, e in b1)
     grid = math.prod(e for _, _, e in br)
@@ -166,8 +172,8 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
     final_reads, final_writes = _global_names(top[i + 1])
     pass_reads, pass_writes = pass_reads | final_reads, pass_writes | final_writes
     row_reads, row_writes = _global_names(top[i + 2])
-    if row_writes & pass_reads:
-        return func
+    if row_writes & pass_reads or any(_global_names(s)[0] & pass_writes for s in row_prefix):
+        return func  # the wait goes in the innermost body: nothing before it may read the pass
     by_tag = {tag: var for tag, var, _ in tr}
     linear, stride = None, 1
     for tag in ("threadIdx.x", "threadIdx.y", "threadIdx.z"):
@@ -222,15 +228,17 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
 
         spin = tirx.While(_extern("int32", "__ldcv", _slot(counter, FLAG)) == 0,
                           tirx.Evaluate(_extern("int32", "__nanosleep", SLEEP_NS)))
+        skip = tirx.decl_buffer((1,), "int32", "fold_skip", scope="shared")
         wait = [
-            tirx.IfThenElse(lane_zero, tirx.BufferStore(claim, tirx.BufferLoad(seen, [0]), [0]), None),
+            tirx.IfThenElse(lane_zero, tirx.BufferStore(skip, tirx.BufferLoad(seen, [0]), [0]), None),
             _sync(),
-            tirx.IfThenElse(tirx.BufferLoad(claim, [0]) == 0, tirx.SeqStmt([
-                _sync(), claims(), tirx.IfThenElse(lane_zero, spin, None), _fence()]), None),
+            tirx.IfThenElse(tirx.BufferLoad(skip, [0]) == 0, tirx.SeqStmt([
+                claims(), tirx.IfThenElse(lane_zero, spin, None)]), None),
+            _fence(),
             _sync(),
         ]
         new_rows = [
-            tirx.AllocBuffer(last), tirx.AllocBuffer(claim), tirx.AllocBuffer(seen),
+            tirx.AllocBuffer(last), tirx.AllocBuffer(claim), tirx.AllocBuffer(seen), tirx.AllocBuffer(skip),
             tirx.BufferStore(seen, tirx.const(1, "int32"), [0]),
             tirx.IfThenElse(lane_zero, tirx.BufferStore(seen, _extern("int32", "__ldcv", _slot(counter, FLAG)), [0]), None),
             tirx.IfThenElse(row_block < chunks, tirx.SeqStmt([_sync(), claims()]), None),
