@@ -37,6 +37,13 @@ number of lanes, the three become one launch of the row kernel's grid:
    which starts after every row block has finished) resets ``A_NEXT`` and ``FLAG``; the
    mean always has one.
 
+Not used: the chunks run only by row blocks ``j < K`` while others wait (CUDA promises
+no order of blocks: waiting blocks could fill the GPU before block ``j`` starts); a
+dynamic block index drawn from a counter by every block (16384 atomic round trips, each
+in front of a block's first load); the loss stage folded in the same way (every row block
+would end with a fence, which waits for its own gradient stores, and a ticket, for a
+tail of about 1.5 us; not tried).
+
 The counters live in ``single_launch``'s launch counter, each in its own 128-byte line
 (slot 0 stays the merged pairs' ticket). Two calls must not share a counter while both
 run: the torch launchers keep one a stream (and one a call under graph capture), but
