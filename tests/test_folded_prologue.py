@@ -19,7 +19,7 @@ import pytest
 
 from helpers import has_gpu, torch_or_none
 from test_cross_entropy_grad import check_on_device, gpu_problem, row_kernel
-from test_dependent_launch import on_two_streams_and_in_a_graph
+from test_dependent_launch import cross_entropy_training_step, on_two_streams_and_in_a_graph
 from tvm_fusion import dispatch, folded_prologue, records, single_launch, targets
 from tvm_fusion.codegen import cuda_report, nvcc_path
 from tvm_fusion.contracts import cross_entropy_grad_problem
@@ -144,31 +144,6 @@ def test_folded_kernel_flags_a_bad_target(folded):
 @pytest.mark.gpu
 @pytest.mark.skipif(not has_gpu() or torch is None, reason="needs a CUDA GPU and torch")
 def test_folded_training_step_on_two_streams_and_in_a_graph(poisoned, folded):
-    import tvm_fusion.torch as tft
-
     shape = (65536, 1000)
     assert "fold_" in gradient(shape, "float16").device_source()
-
-    def inputs(seed):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
-        logits = (torch.randn(shape, device="cuda", generator=gen) * 3).half()
-        target = torch.randint(0, shape[1], (shape[0],), device="cuda", generator=gen)
-        target[::7] = -100
-        return logits, target
-
-    def call(logits, target):
-        x = logits.clone().requires_grad_()
-        loss = tft.cross_entropy(x, target, check_targets=False)
-        (grad,) = torch.autograd.grad(loss, x)
-        return loss.detach(), grad
-
-    def reference(logits, target):
-        x = logits.double().requires_grad_()
-        loss = torch.nn.functional.cross_entropy(x, target)
-        return loss.detach(), torch.autograd.grad(loss, x)[0]
-
-    def check(got, want):
-        torch.testing.assert_close(got[0].double(), want[0], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(got[1].double(), want[1], rtol=2e-3, atol=2e-3 * float(want[1].abs().max()))
-
-    on_two_streams_and_in_a_graph(call, reference, check, inputs)
+    on_two_streams_and_in_a_graph(*cross_entropy_training_step(shape, "float16"))
