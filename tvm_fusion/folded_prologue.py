@@ -28,7 +28,7 @@ number of lanes, the three become one launch of the row kernel's grid:
    (``A_NEXT``), until none is left; then its lane 0 waits until the final block has set
    ``FLAG`` (a ``__ldcv`` load in a loop with ``__nanosleep``), and a fence and a barrier
    later its lanes read the denominator. A block that had seen the flag set at its start
-   skips the claims and the wait (not the fence). Whether it had travels through a shared
+   skips the claims and the wait (not lane 0's fence). Whether it had travels through a shared
    word of its own: the claims' word may still be read by a warp leaving the first claims
    (the rows' statistics have no block barrier). Blocks ``j < K`` claim chunks at their start too, so the pass starts with
    the kernel. No block can wait for a chunk nobody runs: a block waits only after the
@@ -236,13 +236,17 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
         spin = tirx.While(_extern("int32", "__ldcv", _slot(counter, FLAG)) == 0,
                           tirx.Evaluate(_extern("int32", "__nanosleep", SLEEP_NS)))
         skip = tirx.decl_buffer((1,), "int32", "fold_skip", scope="shared")
+        # Once lane 0 has read the flag set, its fence and then a barrier order the
+        # block's reads of the denominator after the final block's stores. Lane 0 alone:
+        # a fence waits for the thread's own pending accesses, and every lane's would
+        # hold every row block up here. A block that saw the flag at its start passes
+        # one barrier.
         wait = [
-            tirx.IfThenElse(lane_zero, tirx.BufferStore(skip, tirx.BufferLoad(seen, [0]), [0]), None),
+            tirx.IfThenElse(lane_zero, tirx.SeqStmt([tirx.BufferStore(skip, tirx.BufferLoad(seen, [0]), [0]),
+                                                     _fence()]), None),
             _sync(),
             tirx.IfThenElse(tirx.BufferLoad(skip, [0]) == 0, tirx.SeqStmt([
-                claims(), tirx.IfThenElse(lane_zero, spin, None)]), None),
-            _fence(),
-            _sync(),
+                claims(), tirx.IfThenElse(lane_zero, tirx.SeqStmt([spin, _fence()]), None), _sync()]), None),
         ]
         new_rows = [
             tirx.AllocBuffer(last), tirx.AllocBuffer(claim), tirx.AllocBuffer(seen), tirx.AllocBuffer(skip),
