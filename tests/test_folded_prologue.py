@@ -16,6 +16,7 @@ from __future__ import annotations
 import re
 
 import pytest
+import tvm
 
 from helpers import has_gpu, torch_or_none
 from test_cross_entropy_grad import check_on_device, gpu_problem, row_kernel
@@ -92,7 +93,7 @@ def test_off_or_not_applicable_leaves_the_launches(folded, monkeypatch):
 def test_counters_are_long_enough_for_every_slot():
     assert single_launch.COUNTER_INTS == folded_prologue.COUNTER_INTS > folded_prologue.FLAG
     assert len({folded_prologue.A_NEXT // 32, folded_prologue.A_DONE // 32, folded_prologue.FLAG // 32, 0}) == 4
-    counter = single_launch.tvm_counter(__import__("tvm").cpu())
+    counter = single_launch.tvm_counter(tvm.cpu())
     assert counter.shape == (folded_prologue.COUNTER_INTS,) and not counter.numpy().any()
 
 

@@ -157,7 +157,7 @@ class Kind:
         if counter:
             if self.name == "torch":
                 device = self.device
-                allocators.append(lambda: torch.zeros(single_launch.COUNTER_INTS, dtype=torch.int32, device=device))
+                allocators.append(lambda: single_launch.zeroed_counter(device))
             else:
                 found = single_launch.tvm_counter(self.device)
                 allocators.append(lambda: found)

@@ -62,6 +62,9 @@ import os
 import tvm
 from tvm import tirx
 
+from . import single_launch
+from .dependent_launch import accesses
+from .single_launch import _fence, _launch_nest, _replace_innermost, _sync, flattened, lane_zero
 from .stmts import seq, statements, thread_attr
 
 ENABLED = os.environ.get("TVM_FUSION_FOLD_PROLOGUE", "0") == "1"
@@ -69,9 +72,9 @@ ENABLED = os.environ.get("TVM_FUSION_FOLD_PROLOGUE", "0") == "1"
 # kernel's lanes, and their row kernels are the ones checked on the GPU.
 CANDIDATES = frozenset({"cross_entropy_grad_warp_per_row", "cross_entropy_grad_warp_per_row_padded"})
 ATTR = "tvm_fusion_fold_prologue"  # the function attribute that asks for the fold
-SLOT = 32  # ints: a counter a 128-byte line, so that spinning on one never slows the others
-A_NEXT, A_DONE, FLAG = SLOT, 2 * SLOT, 3 * SLOT
-COUNTER_INTS = 4 * SLOT
+# The counters' slots in single_launch's launch counter (slot 0 is its merged pairs').
+A_NEXT, A_DONE, FLAG = single_launch.SLOT, 2 * single_launch.SLOT, 3 * single_launch.SLOT
+COUNTER_INTS = single_launch.COUNTER_INTS
 # A waiting lane's pause between two loads of the flag: every block of the first wave
 # may wait, each load is one L2 request to one line, and more than about one request a
 # clock to a line queues at its L2 slice. TVM_FUSION_FOLD_SLEEP_NS sets another (an A/B).
@@ -82,62 +85,14 @@ def _extern(dtype: str, name: str, *args) -> tirx.PrimExpr:
     return tirx.call_extern(dtype, name, *args)
 
 
-def _sync() -> tirx.Stmt:
-    return tirx.Evaluate(tirx.call_intrin("int32", "tirx.tvm_storage_sync", "shared"))
-
-
-def _fence() -> tirx.Stmt:
-    return tirx.Evaluate(_extern("int32", "__threadfence"))
-
-
 def _slot(counter: tirx.Buffer, slot: int) -> tirx.PrimExpr:
     return tirx.address_of(tirx.BufferLoad(counter, [slot]))
-
-
-def _nest(launch):
-    """(blocks, threads, innermost body, prefix declarations) of a launch: each dim
-    (tag, var, extent); None when the launch is not a plain nest of thread attributes
-    each holding declarations then the next attribute."""
-    blocks, threads, prefix, stmt = [], [], [], launch
-    while True:
-        if not thread_attr(stmt):
-            return None
-        dims = blocks if stmt.node.thread_tag.startswith("blockIdx") else threads
-        if dims is blocks and threads:
-            return None
-        dims.append((stmt.node.thread_tag, stmt.node.var, int(stmt.value)))
-        body = statements(stmt.body)
-        if thread_attr(body[-1]):
-            if any(thread_attr(s) for s in body[:-1]):
-                return None
-            prefix.extend(body[:-1])
-            stmt = body[-1]
-            continue
-        return blocks, threads, stmt.body, prefix
 
 
 def _launch_free(stmt: tirx.Stmt, counter: tirx.Buffer) -> bool:
     """No thread attribute below ``stmt`` and no use of the launch counter."""
     script = stmt.script()
     return "launch_thread" not in script and counter.name not in script
-
-
-def _as_chunk(nest, lanes: tirx.PrimExpr, block: tirx.PrimExpr) -> list[tirx.Stmt]:
-    """A targets-pass launch's statements for a row block: its thread index bound to the
-    row block's linear one, its block index to ``block``."""
-    blocks, threads, body, prefix = nest
-    (_, tvar, _), = threads
-    binds = [tirx.Bind(tvar, lanes if lanes.ty.dtype == tvar.ty.dtype else tirx.Cast(tvar.ty.dtype, lanes))]
-    for _, bvar, _ in blocks:
-        value = block if block.ty.dtype == bvar.ty.dtype else tirx.Cast(bvar.ty.dtype, block)
-        binds.append(tirx.Bind(bvar, value))
-    return [*binds, *prefix, *statements(body)]
-
-
-def _global_names(stmt: tirx.Stmt) -> tuple[set[str], set[str]]:
-    from .dependent_launch import accesses
-
-    return accesses(stmt)
 
 
 def asked(mod: tvm.IRModule, candidate: str) -> tvm.IRModule:
@@ -153,9 +108,7 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
     """``func`` with its targets pass folded into its row kernel (module docstring), or
     unchanged where the build did not ask (:func:`asked`) or its launches are not that
     shape."""
-    from .single_launch import _counter
-
-    counter = _counter(func)
+    counter = single_launch._counter(func)
     if (counter is None or int(counter.shape[0]) < COUNTER_INTS or func.attrs is None
             or not func.attrs.get(ATTR, False)):
         return func
@@ -164,10 +117,11 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
     if len(launches) < 3 or launches[1] != launches[0] + 1 or launches[2] != launches[0] + 2:
         return func
     i = launches[0]
-    first, final, rows = (_nest(top[i + k]) for k in range(3))
+    first, final, rows = (_launch_nest(top[i + k]) for k in range(3))
     if first is None or final is None or rows is None:
         return func
-    (b1, t1, body1, _), (b2, t2, body2, _), (br, tr, bodyr, row_prefix) = first, final, rows
+    (b1, t1, inner1, _), (b2, t2, inner2, _), (br, tr, inner_rows, row_prefix) = first, final, rows
+    body1, body2, bodyr = inner1.body, inner2.body, inner_rows.body
     lanes = math.prod(e for _, _, e in tr)
     chunks = math.prod(e for _, _, e in b1)
     grid = math.prod(e for _, _, e in br)
@@ -175,11 +129,9 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
             or [(t, e) for t, _, e in t1] != [("threadIdx.x", lanes)] or [(t, e) for t, _, e in t2] != [("threadIdx.x", lanes)]
             or not all(_launch_free(b, counter) for b in (body1, body2, bodyr))):
         return func
-    pass_reads, pass_writes = _global_names(top[i])
-    final_reads, final_writes = _global_names(top[i + 1])
-    pass_reads, pass_writes = pass_reads | final_reads, pass_writes | final_writes
-    row_reads, row_writes = _global_names(top[i + 2])
-    if row_writes & pass_reads or any(_global_names(s)[0] & pass_writes for s in row_prefix):
+    pass_reads, pass_writes = accesses(tirx.SeqStmt([top[i], top[i + 1]]))
+    _, row_writes = accesses(top[i + 2])
+    if row_writes & pass_reads or any(accesses(s)[0] & pass_writes for s in row_prefix):
         return func  # the wait goes in the innermost body: nothing before it may read the pass
     by_tag = {tag: var for tag, var, _ in tr}
     linear, stride = None, 1
@@ -189,11 +141,9 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
             term = by_tag[tag] if stride == 1 else by_tag[tag] * stride
             linear = term if linear is None else linear + term
         stride *= extent
-    lane_zero = None
-    for _, var, _ in tr:
-        lane_zero = var == 0 if lane_zero is None else tirx.And(lane_zero, var == 0)
+    first_lane = lane_zero(tr)
     row_block = br[0][1]
-    waits = [n for n, s in enumerate(statements(bodyr)) if _global_names(s)[0] & pass_writes]
+    waits = [n for n, s in enumerate(statements(bodyr)) if accesses(s)[0] & pass_writes]
 
     last = tirx.decl_buffer((1,), "int32", "fold_last", scope="shared")
     done = tirx.Var("fold_done", "int32")
@@ -201,18 +151,18 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
     def chunk(j: tirx.PrimExpr, release: bool) -> list[tirx.Stmt]:
         """Chunk ``j``, then the ticket; the last ticket's block runs the final block
         (and, ``release``, sets the flag)."""
-        after_final = [_fence(), _sync(), tirx.IfThenElse(lane_zero, tirx.Evaluate(
+        after_final = [_fence(), _sync(), tirx.IfThenElse(first_lane, tirx.Evaluate(
             _extern("int32", "atomicExch", _slot(counter, FLAG), 1)), None)] if release else []
         return [
-            *_as_chunk(first, linear, j), _fence(), _sync(),
-            tirx.IfThenElse(lane_zero, tirx.SeqStmt([
+            *flattened(top[i], {"threadIdx.x": linear}, j), _fence(), _sync(),
+            tirx.IfThenElse(first_lane, tirx.SeqStmt([
                 tirx.Bind(done, _extern("int32", "atomicAdd", _slot(counter, A_DONE), 1)),
                 tirx.BufferStore(last, tirx.Select(done == chunks - 1, 1, 0), [0]),
                 tirx.IfThenElse(done == chunks - 1, tirx.BufferStore(counter, tirx.const(0, "int32"), [A_DONE]), None),
             ]), None),
             _sync(),
             tirx.IfThenElse(tirx.BufferLoad(last, [0]) != 0,
-                            tirx.SeqStmt([_fence(), *_as_chunk(final, linear, tirx.const(0, "int32")), *after_final]), None),
+                            tirx.SeqStmt([_fence(), *flattened(top[i + 1], {"threadIdx.x": linear}), *after_final]), None),
             _sync(),
         ]
 
@@ -227,7 +177,7 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
         j = tirx.Var("fold_chunk", "int32")
 
         def claims() -> tirx.Stmt:
-            take = tirx.IfThenElse(lane_zero, tirx.BufferStore(
+            take = tirx.IfThenElse(first_lane, tirx.BufferStore(
                 claim, _extern("int32", "atomicAdd", _slot(counter, A_NEXT), 1), [0]), None)
             loop = tirx.While(tirx.BufferLoad(claim, [0]) < chunks, tirx.SeqStmt([
                 tirx.Bind(j, tirx.BufferLoad(claim, [0])), _sync(), *chunk(j, True), take, _sync()]))
@@ -242,16 +192,16 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
         # hold every row block up here. A block that saw the flag at its start passes
         # one barrier.
         wait = [
-            tirx.IfThenElse(lane_zero, tirx.SeqStmt([tirx.BufferStore(skip, tirx.BufferLoad(seen, [0]), [0]),
+            tirx.IfThenElse(first_lane, tirx.SeqStmt([tirx.BufferStore(skip, tirx.BufferLoad(seen, [0]), [0]),
                                                      _fence()]), None),
             _sync(),
             tirx.IfThenElse(tirx.BufferLoad(skip, [0]) == 0, tirx.SeqStmt([
-                claims(), tirx.IfThenElse(lane_zero, tirx.SeqStmt([spin, _fence()]), None), _sync()]), None),
+                claims(), tirx.IfThenElse(first_lane, tirx.SeqStmt([spin, _fence()]), None), _sync()]), None),
         ]
         new_rows = [
             tirx.AllocBuffer(last), tirx.AllocBuffer(claim), tirx.AllocBuffer(seen), tirx.AllocBuffer(skip),
             tirx.BufferStore(seen, tirx.const(1, "int32"), [0]),
-            tirx.IfThenElse(lane_zero, tirx.BufferStore(seen, _extern("int32", "__ldcv", _slot(counter, FLAG)), [0]), None),
+            tirx.IfThenElse(first_lane, tirx.BufferStore(seen, _extern("int32", "__ldcv", _slot(counter, FLAG)), [0]), None),
             tirx.IfThenElse(row_block < chunks, tirx.SeqStmt([_sync(), claims()]), None),
             *body[:at], *wait, *body[at:],
         ]
@@ -261,8 +211,6 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
         if reset is None:
             return func
         top[rest[-1]] = reset
-    from .single_launch import _replace_innermost
-
     top[i:i + 3] = [_replace_innermost(top[i + 2], seq(new_rows))]
     return func.with_body(seq(top))
 
@@ -270,19 +218,14 @@ def fold(func: tirx.PrimFunc) -> tirx.PrimFunc:
 def _with_reset(launch, counter: tirx.Buffer):
     """``launch`` (the loss stage's final block) with its lane 0 resetting the claims
     counter and the flag at its end; None where it is no plain launch nest."""
-    from .single_launch import _replace_innermost
-
-    nest = _nest(launch)
+    nest = _launch_nest(launch)
     if nest is None:
         return None
-    _, threads, body, _ = nest
-    lane_zero = None
-    for _, var, _ in threads:
-        lane_zero = var == 0 if lane_zero is None else tirx.And(lane_zero, var == 0)
-    reset = tirx.IfThenElse(lane_zero, tirx.SeqStmt([
+    _, threads, inner, _ = nest
+    reset = tirx.IfThenElse(lane_zero(threads), tirx.SeqStmt([
         tirx.BufferStore(counter, tirx.const(0, "int32"), [A_NEXT]),
         tirx.BufferStore(counter, tirx.const(0, "int32"), [FLAG])]), None)
-    return _replace_innermost(launch, tirx.SeqStmt([*statements(body), reset]))
+    return _replace_innermost(launch, tirx.SeqStmt([*statements(inner.body), reset]))
 
 
 @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.FoldPrologue")

@@ -81,7 +81,7 @@ def _prepared(kernel: Any, inputs: list[Any], device: Any) -> list[Any]:
 
     outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, shape, dtype in kernel.outputs]
     workspace = [torch.empty(shape, dtype=getattr(torch, dtype), device=device) for _, shape, dtype in kernel.workspace]
-    counter = [torch.zeros(single_launch.COUNTER_INTS, dtype=torch.int32, device=device)] if kernel.counted else []
+    counter = [single_launch.zeroed_counter(device)] if kernel.counted else []
     return [*inputs, *outs, *workspace, *counter]
 
 

@@ -45,7 +45,7 @@ import tvm
 import tvm_ffi
 from tvm import tirx
 
-from . import folded_prologue, launch_order
+from . import launch_order
 from .stmts import seq, statements, thread_attr
 
 COUNTER = "launch_counter"
@@ -56,9 +56,11 @@ ENABLED = os.environ.get("TVM_FUSION_SINGLE_LAUNCH", "1") != "0"
 # its blocks spread over the SMs.
 MAX_SERIAL_BLOCKS = 4
 PIPELINE = "tvm_fusion_single_launch"
-# The counter's ints: slot 0 the merged pairs' ticket, the others folded_prologue's
-# (each in its own 128-byte line).
-COUNTER_INTS = folded_prologue.COUNTER_INTS
+# The counter's ints: slot 0 the merged pairs' ticket, slots SLOT, 2 SLOT and 3 SLOT
+# folded_prologue's (each counter in its own 128-byte line, so that spinning on one never
+# slows the others).
+SLOT = 32
+COUNTER_INTS = 4 * SLOT
 
 
 def with_launch_counter(mod: tvm.IRModule) -> tvm.IRModule:
@@ -78,10 +80,10 @@ def _counter(func: tirx.PrimFunc) -> tirx.Buffer | None:
 
 
 def _launch_nest(launch):
-    """(block dims, thread dims, body) of a launch, each dim (tag, var, extent), where
-    the nest is attributes each holding declarations then the next attribute; None
-    when it is not that shape."""
-    blocks, threads, stmt = [], [], launch
+    """(block dims, thread dims, innermost thread attribute, declarations above it) of
+    a launch, each dim (tag, var, extent), where the nest is attributes each holding
+    declarations then the next attribute; None when it is not that shape."""
+    blocks, threads, prefix, stmt = [], [], [], launch
     while True:
         if thread_attr(stmt, "blockIdx") and not threads:
             blocks.append((stmt.node.thread_tag, stmt.node.var, int(stmt.value)))
@@ -94,9 +96,19 @@ def _launch_nest(launch):
         if thread_attr(last, "blockIdx") or thread_attr(last, "threadIdx"):
             if any(isinstance(s, tirx.AttrStmt) and s.attr_key == "thread_extent" for s in body[:-1]):
                 return None
+            prefix.extend(body[:-1])
             stmt = last
             continue
-        return blocks, threads, stmt
+        return blocks, threads, stmt, prefix
+
+
+def lane_zero(threads) -> tirx.PrimExpr:
+    """Whether this is a launch's first lane: every thread index of ``threads`` (dims
+    as :func:`_launch_nest` gives them) 0."""
+    cond = None
+    for _, var, _ in threads:
+        cond = var == 0 if cond is None else tirx.And(cond, var == 0)
+    return cond
 
 
 def _sync():
@@ -122,14 +134,20 @@ def _replace_innermost(stmt, new_body):
 def _flatten_second(launch, threads):
     """The second kernel's statements for the last block: its thread indices bound to
     the first kernel's, its block indices to a serial loop."""
+    return flattened(launch, {tag: var for tag, var, _ in threads})
+
+
+def flattened(launch, by_tag: dict, block: tirx.PrimExpr | None = None) -> list:
+    """A launch's statements run by a block of another: each thread index bound to
+    ``by_tag``'s value for its tag, its block index to ``block``, or without one its
+    block indices to a serial loop over its blocks."""
     binds, blocks, stmt = [], [], launch
-    by_tag = {tag: var for tag, var, _ in threads}
     prefix = []
     while thread_attr(stmt, "blockIdx") or thread_attr(stmt, "threadIdx"):
         tag, var = stmt.node.thread_tag, stmt.node.var
-        if tag.startswith("threadIdx"):
-            first = by_tag[tag]
-            binds.append(tirx.Bind(var, first if first.ty.dtype == var.ty.dtype else tirx.Cast(var.ty.dtype, first)))
+        value = by_tag[tag] if tag.startswith("threadIdx") else block
+        if value is not None:
+            binds.append(tirx.Bind(var, value if value.ty.dtype == var.ty.dtype else tirx.Cast(var.ty.dtype, value)))
         else:
             blocks.append((var, int(stmt.value)))
         children = statements(stmt.body)
@@ -161,7 +179,7 @@ def _pair(first_launch, second_launch):
     first, second = _launch_nest(first_launch), _launch_nest(second_launch)
     if first is None or second is None:
         return None
-    (blocks1, threads1, _), (blocks2, threads2, inner2) = first, second
+    (blocks1, threads1, _, _), (blocks2, threads2, inner2, _) = first, second
     if [(t, e) for t, _, e in threads1] != [(t, e) for t, _, e in threads2]:
         return None
     first_body = _innermost_body(first_launch)
@@ -182,10 +200,6 @@ def _merged(first_launch, second_launch, pair, counter):
     grid = math.prod(extent for _, _, extent in blocks1)
     is_last = tirx.decl_buffer((1,), "int32", "launch_is_last", scope="shared")
     ticket = tirx.Var("launch_ticket", "int32")
-    lane_zero = None
-    for _, var, _ in threads1:
-        cond = var == 0
-        lane_zero = cond if lane_zero is None else tirx.And(lane_zero, cond)
     take_ticket = tirx.SeqStmt([
         tirx.Bind(ticket, tirx.call_extern("int32", "atomicAdd", tirx.address_of(tirx.BufferLoad(counter, [0])), 1)),
         tirx.BufferStore(is_last, tirx.Select(ticket == grid - 1, 1, 0), [0]),
@@ -197,7 +211,7 @@ def _merged(first_launch, second_launch, pair, counter):
         _fence(),
         _sync(),
         tirx.AllocBuffer(is_last),
-        tirx.IfThenElse(lane_zero, take_ticket, None),
+        tirx.IfThenElse(lane_zero(threads1), take_ticket, None),
         _sync(),
         tirx.IfThenElse(tirx.BufferLoad(is_last, [0]) != 0, last_block, None),
     ])
@@ -270,6 +284,8 @@ def _single_launch_pipeline(**kwargs):
     """TVM's s_tir pipeline with :func:`merge_launches` (after ``folded_prologue``'s
     fold, where switched on) between its cross-thread lowering (and ``launch_order``'s
     reversal of marked loops) and its host/device split."""
+    from . import folded_prologue  # which builds on this module's counter and merges
+
     pipeline, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("s_tir", **kwargs)
 
     @tvm.transform.module_pass(opt_level=0, name="tvm_fusion.SingleLaunchPipeline")
@@ -293,6 +309,13 @@ _PER_STREAM: dict[tuple[int, int], Any] = {}
 _PER_DEVICE: dict[tuple[int, int], Any] = {}  # TVM tensors: TVM's stream of that device
 
 
+def zeroed_counter(device: Any) -> Any:
+    """A fresh zeroed launch counter, a torch tensor on ``device``."""
+    import torch
+
+    return torch.zeros(COUNTER_INTS, dtype=torch.int32, device=device)
+
+
 def torch_counter(index: int) -> Callable[[], Any]:
     """A function that gives the launch counter for the current stream of CUDA device ``index``."""
     import torch
@@ -302,11 +325,11 @@ def torch_counter(index: int) -> Callable[[], Any]:
 
     def get() -> Any:
         if capturing():
-            return torch.zeros(COUNTER_INTS, dtype=torch.int32, device=device)
+            return zeroed_counter(device)
         key = (index, current_stream(index))
         found = _PER_STREAM.get(key)
         if found is None:
-            found = _PER_STREAM.setdefault(key, torch.zeros(COUNTER_INTS, dtype=torch.int32, device=device))
+            found = _PER_STREAM.setdefault(key, zeroed_counter(device))
         return found
 
     return get
