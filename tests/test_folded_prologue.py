@@ -17,6 +17,7 @@ import re
 
 import pytest
 import tvm
+import tvm_ffi
 
 from helpers import has_gpu, torch_or_none
 from test_cross_entropy_grad import check_on_device, gpu_problem, row_kernel
@@ -95,6 +96,17 @@ def test_counters_are_long_enough_for_every_slot():
     assert len({folded_prologue.A_NEXT // 32, folded_prologue.A_DONE // 32, folded_prologue.FLAG // 32, 0}) == 4
     counter = single_launch.tvm_counter(tvm.cpu())
     assert counter.shape == (folded_prologue.COUNTER_INTS,) and not counter.numpy().any()
+
+
+def test_calls_on_tvm_tensors_take_a_counter_per_stream():
+    """Two streams' calls at once must not share a counter (a folded loss stage resets the
+    flag another call's blocks wait on): TVM tensors' counters follow TVM's current stream."""
+    device = tvm.cpu()
+    first = single_launch.tvm_counter(device)
+    with tvm_ffi.use_raw_stream(device, 0x5EED):
+        other = single_launch.tvm_counter(device)
+        assert other is single_launch.tvm_counter(device)
+    assert other is not first and single_launch.tvm_counter(device) is first
 
 
 @pytest.mark.skipif(nvcc_path() is None, reason="nvcc not installed")

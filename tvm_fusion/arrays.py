@@ -152,15 +152,15 @@ class Kind:
         and numpy arrays: one set per host thread, since a CPU kernel is done when
         its call returns (the four of the fused gradient cost 6.2 us a call fresh on
         the CI machine's host). TVM tensors: the scratch fresh per call, the counter
-        their device's."""
+        the one of their device and TVM stream."""
         allocators = [self.allocator(shape, dtype) for shape, dtype in specs]
         if counter:
             if self.name == "torch":
                 device = self.device
                 allocators.append(lambda: single_launch.zeroed_counter(device))
             else:
-                found = single_launch.tvm_counter(self.device)
-                allocators.append(lambda: found)
+                device = self.device
+                allocators.append(lambda: single_launch.tvm_counter(device))
 
         def fresh() -> list[Any]:
             return [allocate() for allocate in allocators]

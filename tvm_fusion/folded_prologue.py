@@ -46,10 +46,10 @@ tail of about 1.5 us; not tried).
 
 The counters live in ``single_launch``'s launch counter, each in its own 128-byte line
 (slot 0 stays the merged pairs' ticket). Two calls must not share a counter while both
-run: the torch launchers keep one a stream (and one a call under graph capture), but
-calls on TVM tensors share their device's, so such calls on two streams at once could
-wait forever (a loss stage resetting the flag another call's blocks wait on), where an
-unfolded merge would give a wrong loss. ``TVM_FUSION_FOLD_PROLOGUE=1`` switches the pass
+run: the torch launchers keep one a stream (and one a call under graph capture), calls
+on TVM tensors one per device and TVM stream (``tvm_ffi.get_raw_stream``); two calls
+sharing one at once could wait forever (a loss stage resetting the flag another call's
+blocks wait on). ``TVM_FUSION_FOLD_PROLOGUE=1`` switches the pass
 on (off by default until a GPU A/B shows it faster; in the kernel cache's key), and the
 warp-per-row gradient schedules then give the targets pass the row kernel's lane count.
 """

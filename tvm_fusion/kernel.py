@@ -94,7 +94,7 @@ def _scratch_for(workspace: list[tuple[str, tuple[int, ...], str]], counter: boo
     first argument ``x``: a buffer per ``workspace`` (name, shape, dtype), then with
     ``counter`` the launch counter. Torch tensors get ``arrays.Kind.scratch``'s sets
     (one per stream, one per call under CUDA graph capture); TVM tensors one set per
-    device, which a graph captured over TVM tensors (the bench's) may keep."""
+    device and TVM stream, which a graph captured over TVM tensors (the bench's) may keep."""
     if not workspace:
         return lambda x: [single_launch.counter_like(x)]
     from . import arrays  # arrays imports this module
@@ -104,7 +104,7 @@ def _scratch_for(workspace: list[tuple[str, tuple[int, ...], str]], counter: boo
 
     def get(x: Any) -> list[Any]:
         if isinstance(x, tvm_ffi.Tensor):
-            key = (x.device.dlpack_device_type(), x.device.index)
+            key = single_launch.tvm_key(x.device)
             tail = per_device.get(key)
             if tail is None:
                 tail = [tvm.runtime.empty(shape, dtype, x.device) for shape, dtype in specs]

@@ -306,7 +306,7 @@ tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, _single_launch_pip
 # never touches it). Under CUDA graph capture a call gets a counter of its own,
 # zeroed by a memset the graph records, so a replay never sees another's ticket.
 _PER_STREAM: dict[tuple[int, int], Any] = {}
-_PER_DEVICE: dict[tuple[int, int], Any] = {}  # TVM tensors: TVM's stream of that device
+_PER_DEVICE: dict[tuple[int, int, int], Any] = {}  # TVM tensors: per (device, TVM's current stream)
 
 
 def zeroed_counter(device: Any) -> Any:
@@ -335,9 +335,15 @@ def torch_counter(index: int) -> Callable[[], Any]:
     return get
 
 
+def tvm_key(device: Any) -> tuple[int, int, int]:
+    """A TVM device with its current stream (``tvm_ffi.get_raw_stream``, where a call on
+    TVM tensors launches): calls under one key run in order, calls under two may overlap."""
+    return device.dlpack_device_type(), device.index, tvm_ffi.get_raw_stream(device)
+
+
 def tvm_counter(device: Any) -> Any:
-    """The launch counter of a TVM device (a zeroed TVM tensor)."""
-    key = (device.dlpack_device_type(), device.index)
+    """The launch counter for TVM tensors on ``device`` and its current stream (a zeroed TVM tensor)."""
+    key = tvm_key(device)
     found = _PER_DEVICE.get(key)
     if found is None:
         found = _PER_DEVICE.setdefault(key, tvm.runtime.tensor(np.zeros(COUNTER_INTS, np.int32), device))
