@@ -517,6 +517,22 @@ def test_bench_rows_append_with_the_csv_s_own_line_ends(tmp_path):
     assert read[2]["status"] == "failed: DSLRuntimeError: error[INTERNAL]: no IR"
 
 
+def test_the_results_csv_is_one_line_a_row_of_the_bench_s_fields():
+    """Every row of results/benchmarks.csv has the bench's fields and no more (two rows of
+    a probe once had an unquoted comma in the provider, which shifted every later field),
+    and no field spans lines (a peer's coloured error once did)."""
+    import csv
+
+    from tvm_fusion import bench
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "results" / "benchmarks.csv"
+    lines = path.read_text().splitlines()
+    rows = list(csv.reader(lines))
+    assert rows[0] == bench.CSV_FIELDS
+    wrong = [i + 1 for i, row in enumerate(rows) if len(row) != len(bench.CSV_FIELDS)]
+    assert not wrong, f"lines with another field count: {wrong[:10]}"
+
+
 def test_the_build_pool_works_from_a_script_with_no_main_guard(tmp_path):
     """The build pool's workers are fresh interpreters that never run the caller's
     script: a script that builds on it at its top level, with no ``if __name__ ==
