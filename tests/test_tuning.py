@@ -530,7 +530,8 @@ def test_the_results_csv_is_one_line_a_row_of_the_bench_s_fields():
     rows = list(csv.reader(lines))
     assert rows[0] == bench.CSV_FIELDS
     wrong = [i + 1 for i, row in enumerate(rows) if len(row) != len(bench.CSV_FIELDS)]
-    assert not wrong, f"lines with another field count: {wrong[:10]}"
+    assert not wrong, f"rows with another field count: {wrong[:10]}"
+    assert len(rows) == len(lines), "a field spans lines"
 
 
 def test_the_build_pool_works_from_a_script_with_no_main_guard(tmp_path):
