@@ -1,4 +1,4 @@
-"""BatchNorm in training on the GPU: the forward, forward + backward, and a ResNet step.
+"""BatchNorm in training on the GPU or the CPU: the forward, forward + backward, and a ResNet step.
 
 Three ops go to the bench CSV:
 
@@ -18,6 +18,12 @@ with CUDA events (``timing.time_calls_gpu``: host work counts); and beside them 
 applicable candidate's kernels alone under CUDA-graph replay (``tvm_fusion:<name>``,
 the forward, and for fwd_bwd the forward then dispatch's backward). Every provider's
 outputs are checked against float64 torch first.
+
+On the CPU (``run(device="cpu")``) the same ops over ``CPU_SHAPES`` and the step at
+``CPU_RESNET``'s batch, timed with ``time.perf_counter``
+(:class:`~tvm_fusion.timing.DeviceTiming`): the calls back to back, each CPU
+candidate's kernels one call at a time, the floors at numpy's copy bandwidth. The peer
+is torch eager (ATen's CPU BatchNorm) alone: ``providers`` says why.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from typing import Any
 
 from .bench import Case, Result, append_csv, hardware_name
 from .contracts.common import DTYPE_BYTES
-from .timing import copies_for, copy_bandwidth_gpu, time_calls_gpu, time_gpu
+from .timing import DeviceTiming
 
 FORWARD, TRAIN, STEP = "batch_norm_fwd", "batch_norm_fwd_bwd", "resnet_train_step"
 # The anchors' shapes: ResNet stages in fp16 NCHW, and one in bf16 channels-last.
@@ -37,6 +43,14 @@ SHAPES = [
     ((32, 64, 112, 112), "float16", "NCHW"),
     ((256, 2048, 7, 7), "float16", "NCHW"),
     ((64, 256, 56, 56), "bfloat16", "channels_last"),
+]
+# The CPU's, float32, 26 MB of input each (the forward moves 2x that, forward +
+# backward 5x: past a 32 MiB last-level cache): ResNet stage 1 at batch 32 in NCHW and channels-last, and
+# stage 3 (wide channels, small planes) at batch 128.
+CPU_SHAPES = [
+    ((32, 64, 56, 56), "float32", "NCHW"),
+    ((128, 256, 14, 14), "float32", "NCHW"),
+    ((32, 64, 56, 56), "float32", "channels_last"),
 ]
 FLOOR = {FORWARD: (2, "floor: read x + write y"), TRAIN: (5, "floor: 3 reads + 2 writes of x's size")}
 
@@ -54,13 +68,13 @@ class Inputs:
 def make_inputs(shape, dtype: str, layout: str, gen) -> Inputs:
     import torch
 
-    c = shape[1]
-    x = (torch.randn(shape, device="cuda", generator=gen) * 2 + 0.5).to(getattr(torch, dtype))
+    c, device = shape[1], gen.device
+    x = (torch.randn(shape, device=device, generator=gen) * 2 + 0.5).to(getattr(torch, dtype))
     if layout == "channels_last":
         x = x.to(memory_format=torch.channels_last)
-    dy = torch.randn(shape, device="cuda", generator=gen).to(x.dtype).to(memory_format=_format(layout))
-    vec = lambda: torch.randn(c, device="cuda", generator=gen)  # noqa: E731
-    return Inputs(x, vec() + 1, vec(), vec(), torch.rand(c, device="cuda", generator=gen) + 0.5, dy)
+    dy = torch.randn(shape, device=device, generator=gen).to(x.dtype).to(memory_format=_format(layout))
+    vec = lambda: torch.randn(c, device=device, generator=gen)  # noqa: E731
+    return Inputs(x, vec() + 1, vec(), vec(), torch.rand(c, device=device, generator=gen) + 0.5, dy)
 
 
 def _format(layout: str):
@@ -69,20 +83,13 @@ def _format(layout: str):
     return torch.channels_last if layout == "channels_last" else torch.contiguous_format
 
 
-def providers(op: str) -> list[tuple[str, Callable[[Inputs], tuple]]]:
-    """(name, run): ``run(inputs)`` returns (y,) for the forward, (dx, dweight, dbias)
-    for fwd_bwd; the running statistics are updated in place."""
+def providers(op: str, device: str = "cuda") -> list[tuple[str, Callable[[Inputs], tuple]]]:
+    """(name, run) on ``device``'s tensors: ``run(inputs)`` returns (y,) for the
+    forward, (dx, dweight, dbias) for fwd_bwd; the running statistics are updated in place."""
     import torch
     import torch.nn.functional as F
 
     from . import torch as tft
-
-    # Each case compiles afresh: dynamo caches per code object, so F.batch_norm's
-    # compiles for the cases before (shapes, dtypes, layouts, the forward and the
-    # training step) would count against its recompile limit, past which torch.compile
-    # runs the function eagerly (the H200 bench at 0538344 timed eager under that name).
-    torch.compiler.reset()
-    compiled = torch.compile(F.batch_norm)
 
     def forward(bn):
         def run(t):
@@ -97,8 +104,17 @@ def providers(op: str) -> list[tuple[str, Callable[[Inputs], tuple]]]:
         return run
 
     wrap = forward if op == FORWARD else train
-    return [("tvm_fusion.torch", wrap(tft.batch_norm)), ("torch eager", wrap(F.batch_norm)),
-            ("torch.compile", wrap(compiled))]
+    steps = [("tvm_fusion.torch", wrap(tft.batch_norm)), ("torch eager", wrap(F.batch_norm))]
+    if device != "cuda":
+        # No torch.compile on the CPU: inductor compiles C++ for each case afresh (the
+        # reset below), compile time a small CPU host would spend instead of timing.
+        return steps
+    # Each case compiles afresh: dynamo caches per code object, so F.batch_norm's
+    # compiles for the cases before (shapes, dtypes, layouts, the forward and the
+    # training step) would count against its recompile limit, past which torch.compile
+    # runs the function eagerly (the H200 bench at 0538344 timed eager under that name).
+    torch.compiler.reset()
+    return steps + [("torch.compile", wrap(torch.compile(F.batch_norm)))]
 
 
 def check(op: str, outs: tuple, t: Inputs) -> str | None:
@@ -117,9 +133,11 @@ def check(op: str, outs: tuple, t: Inputs) -> str | None:
     return None
 
 
-def kernel_launches(op: str, shape, dtype: str, layout: str) -> list[tuple[str, Callable[[Inputs], Callable]]]:
+def kernel_launches(op: str, shape, dtype: str, layout: str,
+                    device: str = "cuda") -> list[tuple[str, Callable[[Inputs], Callable]]]:
     """(name, make): ``make(inputs)`` returns a launch of the kernels alone (the
-    forward candidate's, and for fwd_bwd then dispatch's backward) and its outputs."""
+    forward candidate's, and for fwd_bwd then dispatch's backward) for ``device``'s
+    target, and its outputs."""
     import torch
 
     from . import targets
@@ -127,7 +145,7 @@ def kernel_launches(op: str, shape, dtype: str, layout: str) -> list[tuple[str, 
     from .bench import candidate_kernels
     from .dispatch import kernel_for
 
-    target = targets.resolve("cuda")
+    target = targets.for_device(device)
     kernel_layout = "NHWC" if layout == "channels_last" else "NCHW"
     kernel_shape = (shape[0], shape[2], shape[3], shape[1]) if layout == "channels_last" else shape
     forward_problem = make_problem("bn_forward", kernel_shape, dtype, layout=kernel_layout)
@@ -139,13 +157,13 @@ def kernel_launches(op: str, shape, dtype: str, layout: str) -> list[tuple[str, 
     def maker(kernel):
         def make(t: Inputs):
             x = as_kernel(t.x, forward_problem.shape)
-            outs = [torch.empty(s, dtype=getattr(torch, d), device="cuda") for _, s, d in kernel.outputs]
-            momentum = torch.full((), 0.1, device="cuda")
+            outs = [torch.empty(s, dtype=getattr(torch, d), device=device) for _, s, d in kernel.outputs]
+            momentum = torch.full((), 0.1, device=device)
             args = [x, t.weight, t.bias, t.running_mean.clone(), t.running_var.clone(), momentum]
             if op == FORWARD:
                 return lambda: kernel.func(*args, *outs), (outs[0],)
             dy = as_kernel(t.dy, forward_problem.shape)
-            grads = [torch.empty(s, dtype=getattr(torch, d), device="cuda") for _, s, d in backward.outputs]
+            grads = [torch.empty(s, dtype=getattr(torch, d), device=device) for _, s, d in backward.outputs]
 
             def launch():
                 kernel.func(*args, *outs)
@@ -168,17 +186,21 @@ def _back_to_input(op, outs, t: Inputs, layout):
     return (first, *outs[1:])
 
 
-def bench_ops(log=print, copy_gb_s: float | None = None) -> list[Result]:
+def bench_ops(log=print, copy_gb_s: float | None = None, device: str = "cuda",
+              shapes: list[tuple] | None = None) -> list[Result]:
+    """The forward and fwd_bwd rows of each (shape, dtype, layout) on ``device``
+    (default: that device's list)."""
     import torch
 
-    copy_gb_s = copy_gb_s or copy_bandwidth_gpu()
+    timing = DeviceTiming(device)
+    copy_gb_s = copy_gb_s or timing.copy_bandwidth()
     results = []
-    for shape, dtype, layout in SHAPES:
-        gen = torch.Generator(device="cuda").manual_seed(0)
+    for shape, dtype, layout in shapes or (SHAPES if timing.on_gpu else CPU_SHAPES):
+        gen = torch.Generator(device=device).manual_seed(0)
         first = make_inputs(shape, dtype, layout, gen)
         input_bytes = first.x.numel() * DTYPE_BYTES[dtype]
         sets = [first] + [make_inputs(shape, dtype, layout, gen)
-                          for _ in range(max(1, copies_for(3 * input_bytes)) - 1)]
+                          for _ in range(timing.input_sets(3 * input_bytes) - 1)]
         options = (("layout", layout),) if layout != "NCHW" else ()
         for op in (FORWARD, TRAIN):
             case = Case(op, shape, dtype, options)
@@ -186,42 +208,41 @@ def bench_ops(log=print, copy_gb_s: float | None = None) -> list[Result]:
             nbytes = factor * input_bytes
             log(f"{case.label()}: floor {nbytes / copy_gb_s / 1e6:.4f} ms")
             rows = [Result(case, floor_name, nbytes / copy_gb_s / 1e6, nbytes, "copy bandwidth", "ok")]
-            for name, make in kernel_launches(op, shape, dtype, layout):
-                rows.append(_timed(case, name, nbytes, copy_gb_s, log, lambda make=make: _kernel_row(
-                    op, make, sets, layout)))
-            for name, run in providers(op):
-                rows.append(_timed(case, name, nbytes, copy_gb_s, log, lambda run=run: _call_row(op, run, sets)))
+            for name, make in kernel_launches(op, shape, dtype, layout, device):
+                rows.append(_timed(case, name, nbytes, copy_gb_s, log, timing, lambda make=make: _kernel_row(
+                    op, make, sets, layout, timing)))
+            for name, run in providers(op, device):
+                rows.append(_timed(case, name, nbytes, copy_gb_s, log, timing,
+                                   lambda run=run: _call_row(op, run, sets, timing)))
             results.extend(rows)
         del sets, first
-        torch.cuda.empty_cache()
+        timing.release()
     return results
 
 
-def _kernel_row(op, make, sets, layout):
+def _kernel_row(op, make, sets, layout, timing: DeviceTiming):
     launch, outs = make(sets[0])
     launch()
     wrong = check(op, _back_to_input(op, outs, sets[0], layout), sets[0])
     if wrong:
         return None, wrong, "-"
-    ms, method = time_gpu([make(t)[0] for t in sets])
+    ms, method = timing.kernels([make(t)[0] for t in sets])
     return ms, "ok", method
 
 
-def _call_row(op, run, sets):
+def _call_row(op, run, sets, timing: DeviceTiming):
     wrong = check(op, run(sets[0]), sets[0])
     if wrong:
         return None, wrong, "-"
-    ms, method = time_calls_gpu([lambda t=t: run(t) for t in sets])
+    ms, method = timing.calls([lambda t=t: run(t) for t in sets])
     return ms, "ok", method
 
 
-def _timed(case, name, nbytes, copy_gb_s, log, measure) -> Result:
-    import torch
-
+def _timed(case, name, nbytes, copy_gb_s, log, timing: DeviceTiming, measure) -> Result:
     try:
         ms, status, method = measure()
     except Exception as err:  # noqa: BLE001 - report and go on with the others
-        torch.cuda.synchronize()
+        timing.synchronize()
         ms, status, method = None, f"failed: {type(err).__name__}: {str(err)[:160]}", "-"
     if ms is None:
         log(f"  {name:<44} {status}")
@@ -232,11 +253,16 @@ def _timed(case, name, nbytes, copy_gb_s, log, measure) -> Result:
 
 # -- a whole training step ------------------------------------------------------------------
 RESNET = {"width": 64, "num_classes": 1000, "batch": 64, "image": 56}
+# The CPU's: the same model at batch 8, about 8.6 GFLOP a step (1.07 GFLOP an image
+# forward and backward, nearly all of it the two 64-to-64-channel 3x3 convolutions on
+# 56x56), against the GPU's 69.
+CPU_RESNET = {**RESNET, "batch": 8}
 
 
-def bench_step(log=print) -> list[Result]:
+def bench_step(log=print, device: str = "cuda", resnet: dict[str, int] | None = None) -> list[Result]:
     """Median ms of an SGD step of the small ResNet (fp32 weights, bf16 autocast off:
-    the model as written), torch's modules against patched ones, eager and compiled."""
+    the model as written), torch's modules against patched ones, eager and compiled
+    (eager alone on the CPU: ``providers`` says why); ``resnet`` as ``RESNET``."""
     import copy
 
     import torch
@@ -244,14 +270,16 @@ def bench_step(log=print) -> list[Result]:
     from . import torch as tft
     from .relax.model import example_inputs, small_resnet
 
+    timing = DeviceTiming(device)
+    resnet = resnet or (RESNET if timing.on_gpu else CPU_RESNET)
     torch.manual_seed(0)
-    base = small_resnet(RESNET["width"], RESNET["num_classes"]).cuda()
-    x, target = (t.cuda() for t in example_inputs(RESNET["batch"], RESNET["image"], RESNET["num_classes"]))
-    case = Case(STEP, (RESNET["batch"], 3, RESNET["image"], RESNET["image"]), "float32",
-                (("width", RESNET["width"]),))
+    base = small_resnet(resnet["width"], resnet["num_classes"]).to(device)
+    x, target = (t.to(device) for t in example_inputs(resnet["batch"], resnet["image"], resnet["num_classes"]))
+    case = Case(STEP, (resnet["batch"], 3, resnet["image"], resnet["image"]), "float32",
+                (("width", resnet["width"]),))
     variants = []
     for patched in (False, True):
-        for compiled in (False, True):
+        for compiled in (False, True) if timing.on_gpu else (False,):
             model = copy.deepcopy(base)
             if patched:
                 tft.patch(model)
@@ -271,7 +299,7 @@ def bench_step(log=print) -> list[Result]:
             return loss
 
         try:
-            ms, method = time_calls_gpu([step])
+            ms, method = timing.calls([step])
             rows.append(Result(case, name, ms, 0, method + " (SGD step)", "ok"))
             log(f"  {case.label()} {name:<40} {ms:9.4f} ms")
         except Exception as err:  # noqa: BLE001
@@ -280,11 +308,14 @@ def bench_step(log=print) -> list[Result]:
     return rows
 
 
-def run(csv_path: str | None = None, log=print, copy_gb_s: float | None = None, step: bool = True) -> list[Result]:
-    copy_gb_s = copy_gb_s or copy_bandwidth_gpu()
-    results = bench_ops(log, copy_gb_s)
+def run(csv_path: str | None = None, log=print, copy_gb_s: float | None = None, step: bool = True,
+        device: str = "cuda", shapes: list[tuple] | None = None, resnet: dict[str, int] | None = None) -> list[Result]:
+    """Every row on ``device`` ("cuda" or "cpu"); ``shapes`` and ``resnet`` default to that device's."""
+    timing = DeviceTiming(device)
+    copy_gb_s = copy_gb_s or timing.copy_bandwidth()
+    results = bench_ops(log, copy_gb_s, device, shapes)
     if step:
-        results += bench_step(log)
+        results += bench_step(log, device, resnet)
     if csv_path:
-        append_csv(results, csv_path, hardware_name(True), copy_gb_s)
+        append_csv(results, csv_path, hardware_name(timing.on_gpu), copy_gb_s)
     return results

@@ -1,4 +1,4 @@
-"""Forward + backward of cross entropy, as a training step runs it, on the GPU.
+"""Forward + backward of cross entropy, as a training step runs it, on the GPU or the CPU.
 
 Each provider's step is what training code writes: ``loss = f(logits, target)``
 then the gradient of the logits (``torch.autograd.grad``), issued back to back and
@@ -9,6 +9,11 @@ the gradient of the mean in one launch sequence, what a step costs the GPU. The 
 gradient once at the measured copy bandwidth. Rows go to the bench CSV with op
 ``cross_entropy_fwd_bwd``; every provider's loss and gradient are first checked
 against float64 torch (row blocks, so the largest shapes fit).
+
+On the CPU (``run(device="cpu")``) the same rows over ``CPU_TRAIN_CASES``, timed with
+``time.perf_counter`` (:class:`~tvm_fusion.timing.DeviceTiming`): the steps back to
+back, each CPU candidate's kernel alone one call at a time, the floor at numpy's copy
+bandwidth; the peers are torch eager alone (``providers`` says why).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from typing import Any
 
 from .bench import Case, Result, append_csv, candidate_kernels, hardware_name
 from .contracts.common import DTYPE_BYTES
-from .timing import copies_for, copy_bandwidth_gpu, time_calls_gpu, time_gpu
+from .timing import DeviceTiming
 
 OP = "cross_entropy_fwd_bwd"
 # The anchors' shapes (mean over valid rows, no weight, no smoothing).
@@ -31,6 +36,14 @@ TRAIN_CASES = [
     Case(OP, (65536, 1000), "float16"),
     Case(OP, (16384, 50257), "bfloat16"),
     Case(OP, (128, 32000), "float16"),
+]
+# The CPU's: float32, 33-131 MB of logits. A Llama-2 vocabulary over 1024 rows,
+# ImageNet's 1000 classes over 8192 rows (many short rows), GPT-2's odd vocabulary
+# (50257: no vector width divides a row) over 256 rows.
+CPU_TRAIN_CASES = [
+    Case(OP, (1024, 32000), "float32"),
+    Case(OP, (8192, 1000), "float32"),
+    Case(OP, (256, 50257), "float32"),
 ]
 FLOOR = "floor: read + write once"
 
@@ -70,7 +83,8 @@ def _layer_output():
     return LayerOutput
 
 
-def providers(case: Case) -> list[Step]:
+def providers(case: Case, device: str = "cuda") -> list[Step]:
+    """The user's steps on ``device``'s tensors: ours (and its variants), then the peers."""
     import torch
     import torch.nn.functional as F
 
@@ -88,15 +102,20 @@ def providers(case: Case) -> list[Step]:
             return loss, grad
         return run
 
-    torch.compiler.reset()  # a fresh compile per case: dynamo's recompile limit counts per code object
     steps = [
         Step("tvm_fusion.torch", autograd(tft.cross_entropy)),
         Step("tvm_fusion.torch (check_targets=False)", autograd(lambda x, t: tft.cross_entropy(x, t, check_targets=False))),
         Step("tvm_fusion.torch (inplace_backward)", autograd(lambda x, t: tft.cross_entropy(x, t, inplace_backward=True), True),
              in_place=True),
         Step("torch eager", autograd(F.cross_entropy)),
-        Step("torch.compile", autograd(torch.compile(F.cross_entropy))),
     ]
+    if device != "cuda":
+        # No torch.compile on the CPU: inductor compiles C++ for each case's forward and
+        # backward afresh (the reset below), compile time a small CPU host would spend
+        # instead of timing. Liger (Triton) and Quack (CuTe DSL) run on CUDA devices only.
+        return steps
+    torch.compiler.reset()  # a fresh compile per case: dynamo's recompile limit counts per code object
+    steps.append(Step("torch.compile", autograd(torch.compile(F.cross_entropy))))
     try:
         from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
 
@@ -127,20 +146,20 @@ def providers(case: Case) -> list[Step]:
     return steps
 
 
-def kernel_steps(case: Case) -> list[tuple[str, Any]]:
+def kernel_steps(case: Case, device: str = "cuda") -> list[tuple[str, Any]]:
     """Every applicable fused gradient candidate with its default knobs, and dispatch's
-    pick: the kernels alone (graph replay), beside the user's steps."""
+    pick, for ``device``'s target: the kernels alone, beside the user's steps."""
     from . import targets
     from .api import make_problem
 
     return candidate_kernels(make_problem("cross_entropy_grad", case.shape, case.dtype, mode="fused"),
-                             targets.resolve("cuda"))
+                             targets.for_device(device))
 
 
 def _kernel_launch(kernel: Any, logits: Any, target: Any) -> tuple[Callable[[], None], Any, Any]:
     import torch
 
-    outs = [torch.empty(shape, dtype=getattr(torch, dtype), device="cuda") for _, shape, dtype in kernel.outputs]
+    outs = [torch.empty(shape, dtype=getattr(torch, dtype), device=logits.device) for _, shape, dtype in kernel.outputs]
     names = [name for name, _, _ in kernel.outputs]
     return (lambda: kernel.func(logits, target, *outs)), outs[names.index("loss")], outs[names.index("dlogits")]
 
@@ -183,50 +202,52 @@ def peer_status(wrong: str | None) -> str:
 
 
 def run(cases: list[Case] | None = None, csv_path: str | None = None, log=print,
-        copy_gb_s: float | None = None) -> list[Result]:
-    """Check and time every provider's training step on each case."""
+        copy_gb_s: float | None = None, device: str = "cuda") -> list[Result]:
+    """Check and time every provider's training step on each case, on ``device``
+    ("cuda" or "cpu"; the cases default to that device's list)."""
     import torch
 
-    cases = cases or TRAIN_CASES
-    hardware = hardware_name(True)
-    copy_gb_s = copy_gb_s or copy_bandwidth_gpu()
+    timing = DeviceTiming(device)
+    cases = cases or (TRAIN_CASES if timing.on_gpu else CPU_TRAIN_CASES)
+    hardware = hardware_name(timing.on_gpu)
+    copy_gb_s = copy_gb_s or timing.copy_bandwidth()
     results: list[Result] = []
     for case in cases:
         batch, classes = case.shape
         nbytes = floor_bytes(case)
         log(f"{case.label()}: floor {nbytes / copy_gb_s / 1e6:.4f} ms ({nbytes / 1e6:.1f} MB read + written)")
         rows = [Result(case, FLOOR, nbytes / copy_gb_s / 1e6, nbytes, "copy bandwidth", "ok")]
-        gen = torch.Generator(device="cuda").manual_seed(0)
-        logits = (torch.randn(batch, classes, device="cuda", generator=gen) * 2).to(getattr(torch, case.dtype))
-        target = torch.randint(0, classes, (batch,), device="cuda", generator=gen)
-        sets = max(1, copies_for(nbytes // 2))
+        gen = torch.Generator(device=device).manual_seed(0)
+        logits = (torch.randn(batch, classes, device=device, generator=gen) * 2).to(getattr(torch, case.dtype))
+        target = torch.randint(0, classes, (batch,), device=device, generator=gen)
+        sets = timing.input_sets(nbytes // 2)
         inputs = [(logits if i == 0 else logits.clone(), target) for i in range(sets)]
-        for name, kernel in kernel_steps(case):  # the kernels alone, under graph replay
+        for name, kernel in kernel_steps(case, device):  # the kernels alone: graph replay, or perf_counter on the CPU
             try:
                 launch, loss, grad = _kernel_launch(kernel, logits, target)
                 grad.fill_(float("nan"))
                 launch()
-                torch.cuda.synchronize()
+                timing.synchronize()
                 wrong = check(case, loss, grad, logits, target)
                 if wrong:
                     rows.append(Result(case, name, None, nbytes, "-", wrong))
                     log(f"  {name:<44} {wrong}")
                     continue
                 launches = [_kernel_launch(kernel, x, t)[0] for x, t in inputs]
-                ms, method = time_gpu(launches)
+                ms, method = timing.kernels(launches)
                 rows.append(Result(case, name, ms, nbytes, method, "ok"))
                 log(f"  {name:<44} {ms:9.4f} ms  {nbytes / ms / 1e6:8.1f} GB/s  "
                     f"{nbytes / ms / 1e6 / copy_gb_s:6.1%} of copy")
                 del launches, loss, grad
             except Exception as err:  # noqa: BLE001 - report and go on with the others
-                torch.cuda.synchronize()
+                timing.synchronize()
                 rows.append(Result(case, name, None, nbytes, "-", f"failed: {type(err).__name__}: {str(err)[:160]}"))
                 log(f"  {name:<44} failed: {err}")
-            torch.cuda.empty_cache()
-        for step in providers(case):
+            timing.release()
+        for step in providers(case, device):
             try:
                 loss, grad = step.run(logits.clone(), target)
-                torch.cuda.synchronize()
+                timing.synchronize()
                 wrong = check(case, loss, grad, logits, target)
                 del loss, grad
                 if wrong and step.name.startswith("tvm_fusion"):  # ours wrong: a defect, never a time
@@ -235,21 +256,21 @@ def run(cases: list[Case] | None = None, csv_path: str | None = None, log=print,
                     continue
                 own = [(x.clone(), t) for x, t in inputs] if step.in_place else inputs
                 calls = [lambda x=x, t=t: step.run(x, t) for x, t in own]
-                ms, method = time_calls_gpu(calls)
+                ms, method = timing.calls(calls)
                 del own, calls
                 status = peer_status(wrong)
                 rows.append(Result(case, step.name, ms, nbytes, method + " (fwd+bwd)", status))
                 log(f"  {step.name:<44} {ms:9.4f} ms  {nbytes / ms / 1e6:8.1f} GB/s  "
                     f"{nbytes / ms / 1e6 / copy_gb_s:6.1%} of copy  {'' if wrong is None else status}")
             except Exception as err:  # noqa: BLE001 - report and go on with the others
-                torch.cuda.synchronize()
+                timing.synchronize()
                 why = f"failed: {type(err).__name__}: {str(err)[:160]}"
                 rows.append(Result(case, step.name, None, nbytes, "-", why))
                 log(f"  {step.name:<44} {why}")
-            torch.cuda.empty_cache()
+            timing.release()
         results.extend(rows)
         if csv_path:
             append_csv(rows, csv_path, hardware, copy_gb_s)
         del inputs, logits, target
-        torch.cuda.empty_cache()
+        timing.release()
     return results

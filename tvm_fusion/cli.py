@@ -108,13 +108,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.train != "only":
         bench.run(cases, device=args.device, csv_path=csv_path, plots=None if args.no_record else args.results,
                   providers=providers, api=not args.no_api)
-    if args.train != "no" and on_gpu and not args.shapes:
+    if args.train != "no" and not args.shapes:
         from . import bench_bn, bench_train
 
-        bench_train.run(csv_path=csv_path)
-        bench_bn.run(csv_path=csv_path)
+        device = "cuda" if on_gpu else "cpu"
+        bench_train.run(csv_path=csv_path, device=device)
+        bench_bn.run(csv_path=csv_path, device=device)
     elif args.train == "only":
-        raise UsageError("--train only runs on a GPU, over the default training shapes (no --shapes)")
+        raise UsageError("--train only runs over the default training shapes (no --shapes)")
     return 0
 
 
@@ -414,9 +415,9 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--no-api", dest="no_api", action="store_true",
                        help="time the kernels only, not the user's calls (the '<provider> api' rows)")
     bench.add_argument("--train", choices=["yes", "no", "only"], default="yes",
-                       help="on the GPU, also time cross entropy and BatchNorm forward+backward as a "
-                       "training step runs them, and a ResNet SGD step, for tvm_fusion.torch and the peers "
-                       "(default yes; 'only': nothing else)")
+                       help="also time cross entropy and BatchNorm forward+backward as a training step "
+                       "runs them, and a ResNet SGD step, for tvm_fusion.torch and the peers (on the CPU: "
+                       "float32 CPU shapes, torch eager the only peer; default yes; 'only': nothing else)")
     bench.add_argument("--results", default="results", help="folder of the CSV and the PNGs")
     bench.add_argument("--no-record", action="store_true", help="print only: no CSV rows, no PNGs")
     bench.set_defaults(func=cmd_bench)

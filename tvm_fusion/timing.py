@@ -3,11 +3,13 @@ user calls issued back to back, ``time.perf_counter`` on the CPU, and the ceilin
 (device copy, an empty launch) the results are read against.
 
 Only timing lives here, so the tuner's runner and ``tvm-fusion bench`` share one
-method without the tuner importing the bench.
+method without the tuner importing the bench. :class:`DeviceTiming` picks one device's
+methods for the training benches, which run on either.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 import time
@@ -206,3 +208,52 @@ def empty_launch_gpu() -> float:
     func = ex["main"]
     ms, _ = time_gpu([lambda: func(x, y)], repeats=20, per_graph=100)
     return ms
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceTiming:
+    """One device's methods, for the benches that run on either (``bench_train``,
+    ``bench_bn``): kernels alone, the user's calls back to back, the copy ceiling,
+    how many rotated input sets, and waiting for and freeing device memory.
+
+    On the GPU: graph replay (``time_gpu``), CUDA events around a loop of calls
+    (``time_calls_gpu``), inputs rotated past the L2. On the CPU: ``time_cpu`` and
+    ``time_calls_cpu`` (``time.perf_counter``), one input set as ``tvm-fusion bench``
+    has there (the CPU cases move more bytes than a last-level cache holds), nothing
+    to wait for."""
+
+    device: str  # torch's device type: "cuda" or "cpu"
+
+    def __post_init__(self) -> None:
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"DeviceTiming: device must be 'cuda' or 'cpu', got {self.device!r}")
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.device == "cuda"
+
+    def kernels(self, launches: list[Callable[[], None]]) -> tuple[float, str]:
+        return time_gpu(launches) if self.on_gpu else time_cpu(launches[0])
+
+    def calls(self, calls: list[Callable[[], Any]]) -> tuple[float, str]:
+        return time_calls_gpu(calls) if self.on_gpu else time_calls_cpu(calls)
+
+    def copy_bandwidth(self) -> float:
+        return copy_bandwidth_gpu() if self.on_gpu else copy_bandwidth_cpu()
+
+    def input_sets(self, nbytes: int) -> int:
+        """Argument sets to cycle through when a call reads ``nbytes``."""
+        return max(1, copies_for(nbytes)) if self.on_gpu else 1
+
+    def synchronize(self) -> None:
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.synchronize()
+
+    def release(self) -> None:
+        """Hand freed memory back (torch's CUDA cache); nothing to do on the CPU."""
+        if self.on_gpu:
+            import torch
+
+            torch.cuda.empty_cache()
