@@ -1,3 +1,4 @@
+import os
 import pathlib
 import sys
 
@@ -8,6 +9,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 from helpers import has_gpu  # noqa: E402
+
+# Under pytest-xdist every worker is a process with TVM's thread pool of its own; one
+# thread a worker keeps the suite at one thread a core (tvm_fusion's import would give
+# each worker a thread a core). tests/test_cpu_threads.py checks the import's own count.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("TVM_NUM_THREADS", "1")
 
 
 @pytest.fixture

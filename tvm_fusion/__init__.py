@@ -33,6 +33,10 @@ def _mount_schedules() -> None:
 
 _mount_schedules()
 
+from . import cpu_threads  # noqa: E402
+
+cpu_threads.configure()  # before any parallel CPU kernel sizes TVM's thread pool
+
 from .api import (  # noqa: E402
     OPS, bn_stats, build, check_targets, cross_entropy, explain, make_problem, tune, tune_many,
 )
