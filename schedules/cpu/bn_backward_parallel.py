@@ -7,16 +7,16 @@ dx(SSS)``, the ``dual_reduce`` decomposition, for any shape on the CPU.
 channel's dual reduction, ``dbias``, ``dweight``, the coefficients and its ``dx``
 plane after plane (``dx``'s loops reordered channel first), so x and dy come back
 from the core's cache for the map; the plane's inner loop is vectorized by
-``lanes`` where a width divides L. In eval dx reads no sum and runs in its own
-parallel channel loop.
-(M, C) view: the dual reduction walks M in the outer loop with a vector of channels
-inside (x and dy read row by row), channel groups in parallel; ``dx`` runs rows in
-parallel with the channel loop vectorized.
+``lanes`` where a width divides L. The dual reduction goes into vector partials first
+(a pair a (plane, lane), as ``bn_stats_parallel``'s statistics: ``plane_partials``):
+one scalar pair a channel was a chain of dependent adds, which LLVM cannot vectorize.
+In eval dx reads no sum and runs in its own parallel channel loop.
+(M, C) view: the dual reduction walks M in runs of rows in parallel, a vector of
+channels inside (x and dy read row by row), each run into a row of partials
+(``rows_outside_a_channel_vector``); ``dx`` runs rows in parallel with the channel
+loop vectorized.
 
 Below ``SERIAL_BELOW`` values everything runs on one core (``parallel=0``).
-
-Not used: partial sums (the float32 sums of ``dy`` and ``dy * xhat`` have mixed
-signs and do not drift the way bn_stats's same-sign sums do).
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from tvm_fusion.contracts import BNBackwardProblem
 from tvm_fusion.registry import register
 
 from ..common import knob_value, merge_rows
-from .common import ChannelMapCandidate, channel_first_map, rows_outside_a_channel_vector, rows_parallel_map
+from .common import (
+    ChannelMapCandidate, channel_first_map, finish_plane_partials, plane_partials, rows_outside_a_channel_vector,
+    rows_parallel_map,
+)
 
 
 @register
@@ -42,7 +45,10 @@ class BNBackwardParallel(ChannelMapCandidate):
             rows_outside_a_channel_vector(sch, sums, knobs.lanes, parallel)
             rows_parallel_map(sch, dx, knobs.lanes, parallel)
             return
-        # (N, C, L): dx's loops channel first, its coefficients at the channel.
+        # (N, C, L): the dual sums into vector partials first (rfactor wants the loop
+        # nest to itself).
+        partials = plane_partials(sch, sums, problem, knobs.lanes)
+        # dx's loops channel first, its coefficients at the channel.
         c = channel_first_map(sch, dx, knobs.lanes, dx_coefficients(problem))
         if problem.training:  # one channel loop: the sums, the plane's dx, dbias, dweight
             channel = merge_rows(sch, ["dx", "dbias", "dweight"])
@@ -50,6 +56,8 @@ class BNBackwardParallel(ChannelMapCandidate):
             channel = merge_rows(sch, ["dbias", "dweight"])
             if parallel:
                 sch.parallel(c)
-        sch.compute_at(sums, channel, preserve_unit_loops=True)
+        for block in (sums, *partials):  # consumers first
+            sch.compute_at(block, channel, preserve_unit_loops=True)
+        finish_plane_partials(sch, partials, problem)
         if parallel:
             sch.parallel(channel)

@@ -12,9 +12,10 @@ after plane, so x comes back from the core's cache for the map; the plane's inne
 loop is vectorized by ``lanes`` where a width divides L. The statistics were one
 scalar float32 sum a channel before: y 1.4e-3 off on 16x2x256x256 (now 5e-7, torch
 3e-7; the audit of 2026-12-05, tests/test_cpu.py checks it), and unvectorized.
-(M, C) view: the statistics walk M in the outer loop with a vector of channels
-inside (x read row by row), channel groups in parallel; ``y`` runs rows in parallel
-with the channel loop vectorized.
+(M, C) view: the statistics walk M in runs of rows in parallel, a vector of channels
+inside (x read row by row), each run into a row of partials
+(``rows_outside_a_channel_vector``); ``y`` runs rows in parallel with the channel loop
+vectorized.
 
 Below ``SERIAL_BELOW`` values everything runs on one core (``parallel=0``).
 """

@@ -173,9 +173,37 @@ class ChannelMapCandidate(Candidate):
         return ChannelMapKnobs(lanes=default_lanes(lanes), parallel=parallel_choices(problem.numel)[0])
 
 
+# (M, C) reductions: the rows cut into this many runs at most (the largest count that
+# divides M, so that no split is guarded), each summed by one task into a row of C partials.
+ROW_RUNS = 64
+
+
+def row_runs(rows: int) -> int:
+    """How many runs of rows an (M, C) reduction takes (:data:`ROW_RUNS`); 1 where no
+    count from 4 up divides M."""
+    return next((runs for runs in range(ROW_RUNS, 3, -1) if rows % runs == 0), 1)
+
+
 def rows_outside_a_channel_vector(sch: s_tir.Schedule, block: SBlockRV, lanes: Any, parallel: int) -> None:
-    """A per-channel reduction over the (M, C) view's rows: channel groups in
-    parallel, the rows walked outside a vector of channels (x read row by row)."""
+    """A per-channel reduction over the (M, C) view's rows, x read row by row
+    (contiguously) outside a vector of channels.
+
+    Where :func:`row_runs` gives runs, the runs go in parallel, each into its own row
+    of C float32 partials (rfactor over the run loop), then the partials are summed a
+    channel. Else channel groups go in parallel, each walking every row (before: a
+    task a group of ``lanes`` channels, 4 for 64 channels, each reading a quarter of
+    every row's cache lines)."""
+    runs = row_runs(sch.get(sch.get_loops(block)[1]).extent.value)
+    if runs > 1:
+        run, _ = sch.split(sch.get_loops(block)[1], [runs, None])
+        partial = sch.rfactor(run, factor_axis=0)
+        channel, run, row = sch.get_loops(partial)
+        sch.reorder(run, row, channel)
+        if parallel:
+            sch.parallel(run)
+        _, lane = sch.split(channel, [None, lanes])
+        sch.vectorize(lane)
+        return
     channel, row = sch.get_loops(block)
     group, lane = sch.split(channel, [None, lanes])
     sch.reorder(group, row, lane)
