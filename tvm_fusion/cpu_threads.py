@@ -5,10 +5,10 @@ else ``OMP_NUM_THREADS``, else half of ``std::thread::hardware_concurrency()`` o
 (it assumes two hardware threads a core). On a machine without simultaneous
 multithreading that is half its cores: on the 2-core CI machine every ``parallel``
 candidate ran on one core (``runtime.NumThreads()`` was 1). There, with one thread a
-core, cross entropy over 1024x32000 float32 took 7.85-8.82 ms instead of 14.03-14.26 on
-one thread, and BatchNorm's backward over 32x64x56x56 float32 3.11-3.65 ms instead of
-5.22-5.24 (torch's own: 40.8-52.5 and 3.3-4.5 ms; rows "probe: CPU threads A/B",
-2026-12-07).
+core, cross entropy over 1024x32000 float32 took 7.84-8.74 ms instead of 14.08-14.31 on
+one thread, and BatchNorm's backward over 32x64x56x56 float32 3.55-3.65 ms instead of
+6.03-6.37 (torch's own in the same runs: 41.6-53.3 and 3.7-10.2 ms; rows "probe: CPU
+threads A/B" at 9747c8c, 2026-12-07).
 
 So, when neither variable is set, importing tvm_fusion sets ``TVM_NUM_THREADS`` to the
 physical cores this process may run on (its CPU affinity, one thread a core of the
