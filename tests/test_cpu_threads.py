@@ -9,13 +9,14 @@ import pytest
 from tvm_fusion import cpu_threads
 
 
-@pytest.mark.parametrize("given", [{}, {"TVM_NUM_THREADS": "3"}, {"OMP_NUM_THREADS": "5"}, {"TVM_BIND_THREADS": "1"}])
+@pytest.mark.parametrize("given", [{}, {"TVM_NUM_THREADS": "3"}, {"OMP_NUM_THREADS": "5"}, {"TVM_BIND_THREADS": "1"},
+                                   {"TVM_THREAD_POOL_SPIN_COUNT": "300000"}])
 def test_each_variable_is_set_only_where_the_user_set_none(given):
     environ = dict(given)
     cpu_threads.configure(environ)
     counted = "TVM_NUM_THREADS" in given or "OMP_NUM_THREADS" in given
     assert environ == {**({} if counted else {"TVM_NUM_THREADS": str(cpu_threads.physical_cores())}),
-                       "TVM_BIND_THREADS": "0", **given}
+                       "TVM_BIND_THREADS": "0", "TVM_THREAD_POOL_SPIN_COUNT": "0", **given}
 
 
 def test_physical_cores_count_the_allowed_cpus_once_a_core():
@@ -47,7 +48,8 @@ def test_a_cpu_kernel_runs_on_a_thread_a_core_pins_nothing_and_stays_right(threa
         "assert os.sched_getaffinity(0) == cpus, (os.sched_getaffinity(0), cpus)\n"
         "print(used, cpu_threads.physical_cores())\n"
     )
-    env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "TVM_BIND_THREADS")}
+    env = {k: v for k, v in os.environ.items() if k not in ("TVM_NUM_THREADS", "OMP_NUM_THREADS", "TVM_BIND_THREADS",
+                                                         "TVM_THREAD_POOL_SPIN_COUNT")}
     if threads:
         env["TVM_NUM_THREADS"] = threads
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)

@@ -1,4 +1,4 @@
-"""How many threads run a CPU (LLVM) kernel: TVM's thread pool, sized at import.
+"""How many threads run a CPU (LLVM) kernel: TVM's thread pool, set up at import.
 
 TVM sizes its pool once, at a thread's first parallel kernel, from ``TVM_NUM_THREADS``,
 else ``OMP_NUM_THREADS``, else half of ``std::thread::hardware_concurrency()`` on x86
@@ -22,6 +22,15 @@ process starts afterwards inherits that. A pool of one thread created by
 ``runtime.NumThreads()`` pinned the main thread to CPU 0, and torch's intra-op threads,
 started after it, then shared that one core. Unpinned, the operating system places both
 pools' threads.
+
+And it sets ``TVM_THREAD_POOL_SPIN_COUNT=0`` (unless set): after each parallel kernel
+TVM's workers otherwise spin, yielding, for up to 300000 rounds before they sleep, and
+inside a torch program they take those rounds from torch's own threads. The small
+ResNet's SGD step with ``patch`` (``bench_bn.bench_step`` on the CPU, three runs a
+setting) took 84.8-88.6 ms with workers that sleep at once and 89.4-151.2 ms with TVM's
+spinning (torch's unpatched step 69.8-84.9 ms in the same processes; rows "probe: CPU
+pool spin A/B", 2026-12-07). The price is a wake-up on each parallel kernel: tens of
+microseconds on a call of a few hundred.
 
 A pool that already exists (a parallel TVM kernel ran before the import) keeps its size
 and its pinning.
@@ -54,8 +63,9 @@ def physical_cores() -> int:
 def configure(environ: dict[str, str] | None = None) -> None:
     """In ``environ`` (the process's environment): ``TVM_NUM_THREADS`` set to
     :func:`physical_cores` unless it or ``OMP_NUM_THREADS`` is set, and
-    ``TVM_BIND_THREADS=0`` unless it is set."""
+    ``TVM_BIND_THREADS=0`` and ``TVM_THREAD_POOL_SPIN_COUNT=0`` unless set."""
     environ = os.environ if environ is None else environ
     if "TVM_NUM_THREADS" not in environ and "OMP_NUM_THREADS" not in environ:
         environ["TVM_NUM_THREADS"] = str(physical_cores())
     environ.setdefault("TVM_BIND_THREADS", "0")
+    environ.setdefault("TVM_THREAD_POOL_SPIN_COUNT", "0")
