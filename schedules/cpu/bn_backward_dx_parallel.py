@@ -9,7 +9,7 @@ by ``lanes`` where a width divides L.
 (M, C) view: rows in parallel with the channel loop vectorized (x, dy and dx read and
 written row by row).
 
-Below ``SERIAL_BELOW`` values everything runs on one core (``parallel=0``).
+Below ``BN_SERIAL_BELOW`` values everything runs on one core (``parallel=0``).
 
 Not used: a reduction (the sums come summed over every rank, from the caller).
 """

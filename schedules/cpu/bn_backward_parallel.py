@@ -16,7 +16,7 @@ channels inside (x and dy read row by row), each run into a row of partials
 (``rows_outside_a_channel_vector``); ``dx`` runs rows in parallel with the channel
 loop vectorized.
 
-Below ``SERIAL_BELOW`` values everything runs on one core (``parallel=0``).
+Below ``BN_SERIAL_BELOW`` values everything runs on one core (``parallel=0``).
 """
 
 from __future__ import annotations

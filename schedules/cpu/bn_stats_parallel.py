@@ -22,7 +22,7 @@ shape on the CPU.
    the vector lanes instead. A prime M keeps one partial: its variance carries the
    drift of float32 sums over M rows (1.9e-3 relative at 1M bf16 rows).
 
-Below ``SERIAL_BELOW`` values the same schedule runs on one core (``parallel=0``):
+Below ``BN_SERIAL_BELOW`` values the same schedule runs on one core (``parallel=0``):
 the thread pool's launch would cost more than the work.
 
 Not used: parallel over N (C >= cores on every table shape); Welford (a divide
@@ -40,7 +40,9 @@ from tvm_fusion.registry import Candidate, Knobs, ladder, register
 
 from ..common import knob_value
 
-from .common import default_lanes, finish_plane_partials, lane_choices, lane_partials, parallel_choices, plane_partials
+from .common import (
+    BN_SERIAL_BELOW, default_lanes, finish_plane_partials, lane_choices, lane_partials, parallel_choices, plane_partials,
+)
 
 
 # (M, C) partial sums along M: float32 sums of same-sign d^2 drift like the rows each
@@ -83,7 +85,7 @@ class BNStatsParallel(Candidate):
             # loses its guard in compute_at here: TVM 0.27 then reads past the rows)
             partials = [p for p in range(PARTIALS[0], PARTIALS[-1] + 1) if problem.shape[0] % p == 0][-5:] or [1]
         return {"lanes": lane_choices(self._contiguous(problem)), "partials": partials,
-                "parallel": parallel_choices(problem.count * problem.channels)}
+                "parallel": parallel_choices(problem.count * problem.channels, BN_SERIAL_BELOW)}
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> ChannelsParallelKnobs:
         space = self.choices(problem, target)

@@ -15,18 +15,23 @@ from tvm_fusion.registry import Candidate, Knobs
 from ..common import LoopRV, SBlockRV
 
 
-# Work (elements read) under which a kernel runs on one core: TVM's thread pool costs
-# about 6.5 us a parallel launch on the 2-core Xeon CI machine (a 4x10 float32 cross
-# entropy: 7.5 us parallel, 1.0 us serial, 2026-12-01), and one core reads about
-# 0.9 G elements/s here (cross_entropy_parallel, 4096x32000 float32: 74.5 ms on two
-# cores, results/benchmarks.csv), so two cores win only past ~12k elements.
-SERIAL_BELOW = 16384
+# Work (elements read) under which a kernel runs on one core. With a thread a core and
+# workers that sleep between kernels (tvm_fusion.cpu_threads), a parallel kernel pays
+# their wake-up: on the 2-core CI machine (rows "probe: CPU serial threshold",
+# 2026-12-07, the user's call on numpy arrays) a cross entropy over 64x1000 float32
+# took 53-61 us on two threads and 50-54 on one, over 256x1000 103-123 on two and
+# 132-133 on one; bn_stats over 4x64x32x32 took 37-40 us on two and 27-28 on one, over
+# 8x64x32x32 49-58 and 43-47, over 32x64x32x32 116-134 and 153-168. So two cores win
+# from about 2^17 elements for cross entropy (an exp an element) and from about 2^19
+# for BatchNorm (a few adds an element).
+SERIAL_BELOW = 1 << 17
+BN_SERIAL_BELOW = 1 << 19
 
 
-def parallel_choices(elements: int) -> list[int]:
+def parallel_choices(elements: int, serial_below: int = SERIAL_BELOW) -> list[int]:
     """The ``parallel`` knob's space: one value, fixed by the work (a schedule cannot
     branch on a sampled knob, and the choice is a launch cost, not a search)."""
-    return [0] if elements < SERIAL_BELOW else [1]
+    return [0] if elements < serial_below else [1]
 
 
 def lane_choices(contiguous: int, widest: int = 16) -> list[int]:
@@ -166,11 +171,12 @@ class ChannelMapCandidate(Candidate):
         return problem.channels if problem.channels_last else problem.shape[2]
 
     def choices(self, problem: Any, target: Target) -> dict[str, list[int]]:
-        return {"lanes": lane_choices(self.contiguous(problem)), "parallel": parallel_choices(problem.numel)}
+        return {"lanes": lane_choices(self.contiguous(problem)),
+                "parallel": parallel_choices(problem.numel, BN_SERIAL_BELOW)}
 
     def default_for(self, problem: Any, target: Target) -> ChannelMapKnobs:
         lanes = lane_choices(self.contiguous(problem))
-        return ChannelMapKnobs(lanes=default_lanes(lanes), parallel=parallel_choices(problem.numel)[0])
+        return ChannelMapKnobs(lanes=default_lanes(lanes), parallel=parallel_choices(problem.numel, BN_SERIAL_BELOW)[0])
 
 
 # (M, C) reductions: the rows cut into this many runs at most (the largest count that
