@@ -110,10 +110,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                   providers=providers, api=not args.no_api)
     if args.train != "no" and not args.shapes:
         from . import bench_bn, bench_train
+        from .timing import DeviceTiming
 
-        device = "cuda" if on_gpu else "cpu"
-        bench_train.run(csv_path=csv_path, device=device)
-        bench_bn.run(csv_path=csv_path, device=device)
+        timing = DeviceTiming("cuda" if on_gpu else "cpu")
+        copy_gb_s = timing.copy_bandwidth()  # one measurement for both benches' floors
+        bench_train.run(csv_path=csv_path, device=timing.device, copy_gb_s=copy_gb_s)
+        bench_bn.run(csv_path=csv_path, device=timing.device, copy_gb_s=copy_gb_s)
     elif args.train == "only":
         raise UsageError("--train only runs over the default training shapes (no --shapes)")
     return 0

@@ -306,7 +306,7 @@ tvm.tirx.compilation_pipeline.register_tir_pipeline(PIPELINE, _single_launch_pip
 # never touches it). Under CUDA graph capture a call gets a counter of its own,
 # zeroed by a memset the graph records, so a replay never sees another's ticket.
 _PER_STREAM: dict[tuple[int, int], Any] = {}
-_PER_DEVICE: dict[tuple[int, int, int], Any] = {}  # TVM tensors: per (device, TVM's current stream)
+_PER_TVM_STREAM: dict[tuple[int, int, int], Any] = {}  # TVM tensors: per tvm_key (device, TVM stream)
 
 
 def zeroed_counter(device: Any) -> Any:
@@ -344,9 +344,9 @@ def tvm_key(device: Any) -> tuple[int, int, int]:
 def tvm_counter(device: Any) -> Any:
     """The launch counter for TVM tensors on ``device`` and its current stream (a zeroed TVM tensor)."""
     key = tvm_key(device)
-    found = _PER_DEVICE.get(key)
+    found = _PER_TVM_STREAM.get(key)
     if found is None:
-        found = _PER_DEVICE.setdefault(key, tvm.runtime.tensor(np.zeros(COUNTER_INTS, np.int32), device))
+        found = _PER_TVM_STREAM.setdefault(key, tvm.runtime.tensor(np.zeros(COUNTER_INTS, np.int32), device))
     return found
 
 

@@ -41,14 +41,14 @@ from tvm_fusion.registry import Candidate, Knobs, ladder, register
 from ..common import knob_value
 
 from .common import (
-    BN_SERIAL_BELOW, default_lanes, finish_plane_partials, lane_choices, lane_partials, parallel_choices, plane_partials,
+    BN_SERIAL_BELOW, ROW_PARTS, default_lanes, finish_plane_partials, lane_choices, lane_partials, parallel_choices,
+    plane_partials, row_part_counts,
 )
 
 
 # (M, C) partial sums along M: float32 sums of same-sign d^2 drift like the rows each
 # partial adds. One partial over 1M bf16 rows (C = 24) put the variance 1.9e-3 off
 # (relative), 16 partials 3.1e-4, at the same speed (2 Xeon cores, 2026-12-01).
-PARTIALS = (4, 64)  # the range of partial counts (M, C) may use
 ROWS_PER_PARTIAL = [(1024, 4), (16384, 16)]  # (rows up to, partials wanted); more rows: 64
 
 
@@ -81,16 +81,15 @@ class BNStatsParallel(Candidate):
             partials = [1]
         elif self._vector_partials(problem):
             partials = lane_choices(problem.shape[0])
-        else:  # scalar partials: any count that divides M (a predicated split of M
-            # loses its guard in compute_at here: TVM 0.27 then reads past the rows)
-            partials = [p for p in range(PARTIALS[0], PARTIALS[-1] + 1) if problem.shape[0] % p == 0][-5:] or [1]
+        else:  # scalar partials: any count that divides M
+            partials = row_part_counts(problem.shape[0])[-5:] or [1]
         return {"lanes": lane_choices(self._contiguous(problem)), "partials": partials,
                 "parallel": parallel_choices(problem.count * problem.channels, BN_SERIAL_BELOW)}
 
     def default_for(self, problem: BNStatsProblem, target: Target) -> ChannelsParallelKnobs:
         space = self.choices(problem, target)
         lanes, partials = space["lanes"], space["partials"]
-        wanted = ladder(problem.shape[0], ROWS_PER_PARTIAL, PARTIALS[-1])
+        wanted = ladder(problem.shape[0], ROWS_PER_PARTIAL, ROW_PARTS[1])
         fits = [p for p in partials if p <= wanted]
         return ChannelsParallelKnobs(
             lanes=default_lanes(lanes), partials=max(fits) if fits else min(partials),

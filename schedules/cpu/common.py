@@ -175,19 +175,25 @@ class ChannelMapCandidate(Candidate):
                 "parallel": parallel_choices(problem.numel, BN_SERIAL_BELOW)}
 
     def default_for(self, problem: Any, target: Target) -> ChannelMapKnobs:
-        lanes = lane_choices(self.contiguous(problem))
-        return ChannelMapKnobs(lanes=default_lanes(lanes), parallel=parallel_choices(problem.numel, BN_SERIAL_BELOW)[0])
+        space = self.choices(problem, target)
+        return ChannelMapKnobs(lanes=default_lanes(space["lanes"]), parallel=space["parallel"][0])
 
 
-# (M, C) reductions: the rows cut into this many runs at most (the largest count that
-# divides M, so that no split is guarded), each summed by one task into a row of C partials.
-ROW_RUNS = 64
+# (M, C) reductions cut M into 4 to 64 parts (bn_stats' partial sums, the row runs
+# below), a count that divides M: a guarded split of M loses its guard in compute_at
+# (TVM 0.27 then reads past the rows).
+ROW_PARTS = (4, 64)
+
+
+def row_part_counts(rows: int) -> list[int]:
+    """The counts in :data:`ROW_PARTS` that divide ``rows``, ascending."""
+    return [count for count in range(ROW_PARTS[0], ROW_PARTS[1] + 1) if rows % count == 0]
 
 
 def row_runs(rows: int) -> int:
-    """How many runs of rows an (M, C) reduction takes (:data:`ROW_RUNS`); 1 where no
-    count from 4 up divides M."""
-    return next((runs for runs in range(ROW_RUNS, 3, -1) if rows % runs == 0), 1)
+    """How many runs of rows an (M, C) reduction takes, each summed by one task into a
+    row of C partials: the most :func:`row_part_counts` allows; 1 where none divides."""
+    return max(row_part_counts(rows), default=1)
 
 
 def rows_outside_a_channel_vector(sch: s_tir.Schedule, block: SBlockRV, lanes: Any, parallel: int) -> None:
