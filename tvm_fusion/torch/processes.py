@@ -96,5 +96,18 @@ def _rank_main(fn, rank, world_size, backend, store, output, args) -> None:
             dist.destroy_process_group()
     except BaseException:
         torch.save(("error", traceback.format_exc()), output)
-        raise SystemExit(1) from None
+        _exit(1)
     torch.save(("ok", result), output)
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """End the rank now that its report is on disk, without the interpreter's teardown:
+    in CI a rank that had reported its result was aborted (SIGABRT, "terminate called
+    without an active exception") while C++ threads (gloo's, torch's, TVM's pool) were
+    torn down at exit, and its peers' results were thrown away with it."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
