@@ -459,6 +459,21 @@ def test_the_in_place_scaling_skips_a_scale_of_one_and_scales_otherwise(dtype):
     torch.testing.assert_close(x, (before.float() * -2.75).to(x.dtype), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_a_nan_upstream_gradient_gives_torchs_nan_gradient(reduction):
+    """The in-place scaling skips an upstream gradient of exactly 1; a NaN one is not 1
+    (on the CPU the skip's float compare was ordered, false for NaN, and the gradient
+    came back as for an upstream of 1)."""
+    torch.manual_seed(int(rng().integers(2**31)))
+    logits, target = torch.randn(6, 10), torch.randint(0, 10, (6,))
+    x = logits.clone().requires_grad_()
+    (tft.cross_entropy(x, target, reduction=reduction) * float("nan")).backward()
+    ref = logits.double().requires_grad_()
+    (F.cross_entropy(ref, target, reduction=reduction) * float("nan")).backward()
+    assert ref.grad.isnan().all()
+    torch.testing.assert_close(x.grad.double(), ref.grad, equal_nan=True)
+
+
 @pytest.mark.gpu
 @gpu
 @pytest.mark.parametrize("dtype, numel", [("float32", 4096 * 1001), ("bfloat16", 4096 * 32000), ("float16", 1001 * 7)])

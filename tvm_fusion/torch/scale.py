@@ -56,12 +56,15 @@ def _cuda_func(dtype: str, vector: int, max_blocks: int):
 
 
 def _cpu_func(dtype: str):
+    """NaN tested on its own: TVM lowers a float ``!=`` (and ``not ==``) to LLVM's
+    ordered compare, false for NaN, so a NaN upstream gradient was skipped as if it
+    were 1 (torch's gradient is NaN). CUDA C's ``!=`` is true for NaN."""
     @T.prim_func
     def main(x_handle: T.handle, g: T.Buffer((), "float32")):
         T.func_attr({"tirx.noalias": True})
         n = T.int64()
         x = T.match_buffer(x_handle, (n,), dtype, align=16)
-        if g[()] != T.float32(1.0):
+        if g[()] != T.float32(1.0) or T.isnan(g[()]):
             for i in T.parallel(n):
                 x[i] = T.Cast(dtype, T.Cast("float32", x[i]) * g[()])
 
