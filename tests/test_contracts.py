@@ -35,6 +35,11 @@ TARGET = np.array([0, 1, 2, 3], np.int64)
         (lambda: tf.cross_entropy(LOGITS, TARGET, label_smoothing="0.1"), TypeError, ["label_smoothing"]),
         (lambda: tf.cross_entropy(LOGITS, TARGET, reduction="avg"), ValueError, ["reduction", "'avg'"]),
         (lambda: tf.cross_entropy(LOGITS, TARGET, ignore_index=1.5), TypeError, ["ignore_index", "1.5"]),
+        # int() truncated a float array (and a float tensor) to 3; operator.index refuses it, as torch does
+        (lambda: tf.cross_entropy(LOGITS, TARGET, ignore_index=np.array(3.5)), TypeError,
+         ["ignore_index must be an int", "3.5"]),
+        (lambda: tf.cross_entropy(LOGITS, TARGET, ignore_index=np.array([3])), TypeError,
+         ["ignore_index must be an int"]),
         # torch's ignore_index is an int64 (torch raises "Overflow when unpacking long long")
         (lambda: tf.cross_entropy(LOGITS, TARGET, ignore_index=2**64), ValueError, ["ignore_index", "int64", str(2**64)]),
         (lambda: tf.build("cross_entropy", shape=(2, 3), target="llvm", ignore_index=-(2**63) - 1), ValueError,

@@ -182,6 +182,9 @@ def test_a_bad_target_raises_the_clear_error():
     (lambda: tft.cross_entropy(torch.randn(4, 5, requires_grad=True), torch.rand(4)), TypeError, ["target"]),
     (lambda: tft.cross_entropy(torch.randn(4, 5), torch.zeros(4, dtype=torch.long), ignore_index=2**64), ValueError,
      ["ignore_index must fit in int64", str(2**64)]),
+    # int() took a float tensor as 3; torch refuses it
+    (lambda: tft.cross_entropy(torch.randn(4, 5, requires_grad=True), torch.zeros(4, dtype=torch.long),
+                               ignore_index=torch.tensor(3.5)), TypeError, ["ignore_index must be an int", "3.5"]),
 ])
 def test_bad_arguments_are_named(bad, error, words):
     with pytest.raises(error) as info:

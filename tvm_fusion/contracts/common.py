@@ -6,6 +6,7 @@ only the exception knows what to change.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterable, Sequence
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
@@ -40,9 +41,15 @@ def check_dtype(op: str, name: str, dtype: str, allowed: Sequence[str]) -> str:
 
 
 def check_int(op: str, name: str, value: object) -> int:
-    if isinstance(value, bool) or not hasattr(value, "__index__"):
+    """``value`` as an int: an int, or what ``operator.index`` takes (np.int64, a 0-d
+    numpy int array, a one-element int tensor), not ``int()``'s truncation of a float
+    tensor or array (``torch.tensor(3.5)`` was taken as 3; torch refuses it)."""
+    if isinstance(value, bool):
         raise TypeError(f"{op}: {name} must be an int, got {value!r}")
-    return int(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"{op}: {name} must be an int, got {value!r}") from None
 
 
 def check_bool(op: str, name: str, value: object) -> bool:
