@@ -175,6 +175,29 @@ def test_options_of_another_type_are_checked_not_served_from_the_cache():
         tf.cross_entropy(logits, target, reduction=["mean"])  # unhashable: the contract names it
 
 
+def test_an_unhashable_ignore_index_the_contract_takes_is_served_uncached():
+    """A 0-d numpy int ignore_index (torch takes it) cannot key the launcher cache: it was
+    a bare 'unhashable type' TypeError, raised on storing the launcher."""
+    logits, target = ce_inputs(rng(), 8, 10)
+    target[::5] = 3  # ce_inputs' ignored rows, here ignore_index 3
+    expected = ce_ref.reference(logits, target, ignore_index=3, reduction="none")
+    for _ in range(2):
+        got = tf.cross_entropy(logits, target, ignore_index=np.array(3), reduction="none")
+        assert_close(got, expected, 1e-5, 1e-6, "numpy")
+    if torch is None:
+        return
+    import tvm_fusion.torch as tft
+
+    x = torch.from_numpy(logits).requires_grad_()
+    loss = tft.cross_entropy(x, torch.from_numpy(target), ignore_index=np.array(3))
+    ref = torch.from_numpy(logits).double().requires_grad_()
+    ref_loss = torch.nn.functional.cross_entropy(ref, torch.from_numpy(target), ignore_index=3)
+    loss.backward()
+    ref_loss.backward()
+    assert_close(loss.detach(), ref_loss.detach(), 1e-5, 1e-6, "torch loss")
+    assert_close(x.grad, ref.grad, 1e-5, 1e-6, "torch grad")
+
+
 def test_a_bad_target_still_raises_on_every_call_of_a_cached_signature():
     logits, target = ce_inputs(rng(), 6, 10)
     tf.cross_entropy(logits, target)

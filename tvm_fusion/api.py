@@ -110,7 +110,7 @@ def cross_entropy(
         key = ("cross_entropy", ce_key(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets))
         launch = _LAUNCHERS.get(key)
     except (TypeError, RuntimeError):  # an unhashable option, or a nested tensor (no shape): the contract names it
-        launch = None
+        key, launch = None, None
     if launch is None:
         launch = _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction,
                                          label_smoothing, check_targets)
@@ -162,8 +162,7 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
     arrays.check_same_place(op, la, target=ta, weight=wa)
     kind = arrays.Kind(la)
     if problem.batch == 0:
-        _LAUNCHERS[key] = launch = lambda logits, target, weight: _empty_batch_loss(la, reduction)
-        return launch
+        return keep(_LAUNCHERS, key, lambda logits, target, weight: _empty_batch_loss(la, reduction))
     kernel = kernel_for(problem, targets.for_device(la.device_type))
     func, batch, classes = kernel.packed, problem.batch, problem.classes
     # Outputs: ([row_loss,] loss, first_bad_row); the row losses of a sum or mean
@@ -206,7 +205,16 @@ def _cross_entropy_launcher(key, logits, target, weight, ignore_index, reduction
                     raise TargetOutOfRangeError(row, _target_value(target, row), classes, ignore_index)
         return loss
 
-    _LAUNCHERS[key] = launch
+    return keep(_LAUNCHERS, key, launch)
+
+
+def keep(cache: dict, key: Any, launch: Callable) -> Callable:
+    """``launch``, kept in ``cache`` for later calls with ``key``. A key of None (one
+    that could not be hashed, for an option the contract takes: a 0-d numpy int
+    ``ignore_index``, as torch takes it) keeps nothing, and such a call builds its
+    launcher each time rather than failing on the cache."""
+    if key is not None:
+        cache[key] = launch
     return launch
 
 

@@ -159,11 +159,11 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, weight: torch.Tens
                   check_targets: bool, in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The loss and ``dlogits`` for an upstream gradient of 1, from one kernel;
     ``in_place``: ``dlogits`` is ``logits``, overwritten."""
-    key = (api.ce_key(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets), in_place)
     try:
+        key = (api.ce_key(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets), in_place)
         launch = _LAUNCHERS.get(key)
-    except TypeError:  # an unhashable option, which the contract names
-        launch = None
+    except TypeError:  # an unhashable option: the contract names it, or takes it uncached (api.keep)
+        key, launch = None, None
     if launch is None:
         launch = _launcher(key, logits, target, weight, ignore_index, reduction, label_smoothing, check_targets,
                            in_place)
@@ -182,17 +182,15 @@ def _launcher(key, logits, target, weight, ignore_index, reduction, label_smooth
     arrays.check_same_place(OP, la, target=ta, weight=wa)
     kind = arrays.Kind(la)
     if problem.batch == 0:  # torch's loss of no rows, and an empty gradient
-        _LAUNCHERS[key] = launch = lambda logits, target, weight: (
-            api._empty_batch_loss(la, reduction), logits if in_place else torch.empty_like(logits))
-        return launch
+        return api.keep(_LAUNCHERS, key, lambda logits, target, weight: (
+            api._empty_batch_loss(la, reduction), logits if in_place else torch.empty_like(logits)))
     device_target = targets.for_device(la.device_type)
     if in_place:
         in_place_problem = dataclasses.replace(problem, in_place=True)
         if logits.is_contiguous() and registry.applicable(in_place_problem, device_target):
             kernel = kernel_for(in_place_problem, device_target)
-            _LAUNCHERS[key] = launch = _kernel_launcher(kernel, kind, la, ta, wa, problem, check_targets,
-                                                        ignore_index, in_place=True)
-            return launch
+            return api.keep(_LAUNCHERS, key, _kernel_launcher(kernel, kind, la, ta, wa, problem, check_targets,
+                                                              ignore_index, in_place=True))
         out_of_place = loss_and_grad  # no kernel for it: the gradient copied over the logits
 
         def launch(logits, target, weight):
@@ -200,11 +198,9 @@ def _launcher(key, logits, target, weight, ignore_index, reduction, label_smooth
                                       check_targets)
             return loss, logits.copy_(grad)
 
-        _LAUNCHERS[key] = launch
-        return launch
+        return api.keep(_LAUNCHERS, key, launch)
     kernel = kernel_for(problem, device_target)
-    _LAUNCHERS[key] = launch = _kernel_launcher(kernel, kind, la, ta, wa, problem, check_targets, ignore_index)
-    return launch
+    return api.keep(_LAUNCHERS, key, _kernel_launcher(kernel, kind, la, ta, wa, problem, check_targets, ignore_index))
 
 
 def _kernel_launcher(kernel, kind, la, ta, wa, problem, check_targets, ignore_index, in_place=False):
