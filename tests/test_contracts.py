@@ -51,6 +51,9 @@ TARGET = np.array([0, 1, 2, 3], np.int64)
         (lambda: tf.build("bn_stats", shape="2x3"), TypeError, ["x.shape"]),
         (lambda: tf.build("bn_stats", shape=(2, -3, 4)), ValueError, ["negative"]),
         (lambda: tf.build("cross_entropy", shape=(2, 3), smoothing=0.1), TypeError, ["smoothing"]),
+        # the calls answer B = 0 without a kernel; build failed in TVM's rfactor
+        (lambda: tf.build("cross_entropy", shape=(0, 10), target="llvm"), ValueError, ["B > 0", "(0, 10)"]),
+        (lambda: tf.build("cross_entropy_grad", shape=(0, 10), target="llvm"), ValueError, ["B > 0", "(0, 10)"]),
     ],
 )
 def test_bad_input_is_named(call, error, words):

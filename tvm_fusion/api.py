@@ -327,9 +327,21 @@ def make_problem(op: str, shape: Any, dtype: str, **options: Any):
         options.get("label_smoothing", 0.0),
     )
     if op == "cross_entropy_grad":
-        return cross_entropy_grad_problem(*args, mode=options.get("mode", "fused"),
-                                          in_place=options.get("in_place", False))
-    return cross_entropy_problem(*args)
+        problem = cross_entropy_grad_problem(*args, mode=options.get("mode", "fused"),
+                                             in_place=options.get("in_place", False))
+    else:
+        problem = cross_entropy_problem(*args)
+    return _with_rows(op, problem)
+
+
+def _with_rows(op: str, problem: Any) -> Any:
+    """``problem`` if it has a row to build a kernel for. The contract takes B = 0 (the
+    calls answer an empty batch without a kernel, as torch does); a kernel of no rows
+    failed in a TVM schedule primitive (rfactor) with an error naming neither."""
+    if problem.batch == 0:
+        raise ValueError(f"{op}: a kernel needs at least one row (B > 0), got shape {problem.shape}; "
+                         "tvm_fusion.cross_entropy answers an empty batch without one")
+    return problem
 
 
 def _as_float32(weight: Any) -> Any:
