@@ -547,6 +547,16 @@ def test_hooks_run_on_the_stand_ins_and_handles_remove_them():
     assert seen[4:] == ["after the patch"], "a hook added to the stand-in stays on the original"
 
 
+def test_the_patched_loss_hands_uint8_targets_to_torch():
+    """nn.CrossEntropyLoss takes uint8 class indices; the stand-in sent them to the kernels,
+    which take int64 and int32 only, so a patched model raised where it had computed."""
+    logits, target = torch.randn(6, 10), torch.tensor([0, 3, 9, 1, 2, 5], dtype=torch.uint8)
+    holder = nn.ModuleDict({"loss": nn.CrossEntropyLoss(label_smoothing=0.1)})
+    tft.patch(holder)
+    expected = F.cross_entropy(logits.double(), target, label_smoothing=0.1)
+    torch.testing.assert_close(holder["loss"](logits, target).double(), expected, rtol=1e-5, atol=1e-6)
+
+
 def test_patch_keeps_the_mode_and_refuses_a_lone_batch_norm():
     model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).eval()
     (swap,) = tft.patch(model)

@@ -34,15 +34,17 @@ from .batch_norm import BatchNorm1d, BatchNorm2d, BatchNorm3d
 from .cross_entropy import CrossEntropyLoss
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_INDEX_DTYPES = (torch.int64, torch.int32)  # the kernels' targets; torch also takes uint8 ones
 _PATCHED = "_tvm_fusion_patched"  # on the model: {name: original module}
 
 
 class PatchedCrossEntropyLoss(CrossEntropyLoss):
-    """:class:`CrossEntropyLoss` for (B, V) logits and class indices; torch's
-    ``F.cross_entropy`` for every other form ``nn.CrossEntropyLoss`` accepts."""
+    """:class:`CrossEntropyLoss` for (B, V) logits and int64 or int32 class indices;
+    torch's ``F.cross_entropy`` for every other form ``nn.CrossEntropyLoss`` accepts
+    (uint8 class indices too: the kernels refuse them, torch takes them)."""
 
     def forward(self, input: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if (input.dim() == 2 and target.dim() == 1 and not target.is_floating_point()
+        if (input.dim() == 2 and target.dim() == 1 and target.dtype in _INDEX_DTYPES
                 and input.dtype in _KERNEL_DTYPES):
             return super().forward(input, target)
         return F.cross_entropy(input, target, self.weight, ignore_index=self.ignore_index,
