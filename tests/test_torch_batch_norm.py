@@ -236,6 +236,11 @@ def test_a_float64_module_call_is_torchs():
                             momentum=torch.ones(2)), ValueError, "momentum tensor must be 0-d"),
     (lambda: tft.batch_norm(torch.randn(4, 3), torch.zeros(3), torch.ones(3), training=True, momentum="0.1"),
      TypeError, "momentum must be a number"),
+    # an empty batch hands torch a momentum of 0.0: the given one went unchecked
+    (lambda: tft.batch_norm(torch.randn(0, 3), torch.zeros(3), torch.ones(3), training=True, momentum="0.1"),
+     TypeError, "momentum must be a number"),
+    (lambda: tft.batch_norm(torch.randn(0, 3), torch.zeros(3), torch.ones(3), training=True,
+                            momentum=torch.ones(2)), ValueError, "momentum tensor must be 0-d"),
     (lambda: tft.batch_norm(torch.randn(4, 3), None, None, training=True, eps=-1.0), ValueError,
      "eps must be a finite number"),
     (lambda: tft.batch_norm(torch.randn(4, 3), None, None, training=True, eps=0.0), ValueError,

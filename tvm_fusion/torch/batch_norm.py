@@ -79,7 +79,8 @@ def _not_launched(input, running_mean, running_var, weight, bias, training, mome
     (``FakeTensor``, ``Parameter``: the dispatcher hands the kernels plain tensors)."""
     if not isinstance(input, torch.Tensor):
         raise TypeError(f"{OP}: input must be a torch tensor, got {type(input).__name__}")
-    if not input.numel():
+    if not input.numel():  # momentum checked as a launch checks it: torch is handed 0.0, not it
+        _momentum(momentum, input.device)
         return torch.nn.functional.batch_norm(input, running_mean, running_var, weight, bias, training, 0.0, eps)
     if not torch.compiler.is_compiling():  # traced, the op's launch checks what it runs
         _check_unlaunched(input, running_mean, running_var, weight, bias, training, eps)
