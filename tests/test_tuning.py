@@ -229,6 +229,9 @@ def test_cli_help(sub):
         (["build", "--ops", "bn_stats", "--log-dir", "/nonexistent/logs"], "is not a folder"),
         # a contract's error inside a command: one line, not a traceback
         (["show", "bn_stats", "4x3", "--candidate", "cross_entropy_online", "--target", "llvm"], "error: ValueError"),
+        # named the TE compute's algorithm ('cross_entropy_grad: algorithm must be one of ...'), not the candidate
+        (["show", "cross_entropy_grad", "4x8", "--candidate", "cross_entropy_parallel", "--target", "llvm"],
+         "candidate cross_entropy_parallel does not apply to cross_entropy_grad"),
     ],
 )
 def test_cli_bad_input_is_one_line_and_exit_2(args, words, capsys):

@@ -363,6 +363,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         cand = registry.get(name)
     except KeyError as err:
         raise UsageError(str(err).strip("'\"")) from None
+    # Scheduled before anything is printed: a --candidate of another op or target is named
+    # by schedule_for's error, not by the TE compute's refusal of its algorithm.
+    sch, knobs = schedule_for(problem, target, name)
     section = lambda title: print(f"\n==== {title} " + "=" * max(0, 60 - len(title)))  # noqa: E731
     section("contract")
     print(problem.describe())
@@ -370,7 +373,6 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(prim_func(problem, cand.algorithm).script())
     section("dispatch")
     print(f"{choice.candidate} [{choice.knobs}] ({choice.source}): {choice.reason}")
-    sch, knobs = schedule_for(problem, target, name)
     section(f"scheduled TIR: {name} [{knobs}]")
     print(sch.mod.script())
     section("trace")
