@@ -539,6 +539,17 @@ def test_inplace_backward_makes_a_stale_saved_use_of_the_logits_an_error():
         (square + loss).backward()
 
 
+def test_a_weight_that_requires_grad_is_refused_as_torch_refuses_it():
+    """The kernels give no gradient for the class weights: the backward left weight.grad
+    None without a word, where torch refuses such a weight in the forward."""
+    logits, target = torch.randn(6, 10, requires_grad=True), torch.randint(0, 10, (6,))
+    weight = torch.rand(10, requires_grad=True)
+    with pytest.raises(RuntimeError, match="weight requires grad"):
+        tft.cross_entropy(logits, target, weight)
+    with torch.no_grad():  # no graph, as torch takes it
+        tft.cross_entropy(logits, target, weight)
+
+
 def test_inplace_backward_module_and_bad_flag():
     logits, target, _, _ = make_inputs(rng(), 9, 64, "float32", {})
     ref = F.cross_entropy(logits.double(), target)

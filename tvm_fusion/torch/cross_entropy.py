@@ -79,6 +79,9 @@ def cross_entropy(
     nothing from them afterwards (the module docstring says more)."""
     if not isinstance(inplace_backward, bool):
         raise TypeError(f"{OP}: inplace_backward must be a bool, got {inplace_backward!r}")
+    if getattr(weight, "requires_grad", False) and torch.is_grad_enabled():  # torch refuses it: no silent None
+        raise RuntimeError(f"{OP}: weight requires grad, but the loss has no gradient with respect to the class "
+                           "weights (torch's cross_entropy refuses them too): pass weight.detach()")
     if torch.compiler.is_compiling() or type(logits) is not torch.Tensor or logits.is_meta:
         return _through_ops(logits, target, weight, ignore_index, reduction, label_smoothing, check_targets)
     if logits.requires_grad and torch.is_grad_enabled():
