@@ -552,6 +552,17 @@ def test_hooks_run_on_the_stand_ins_and_handles_remove_them():
     assert seen[4:] == ["after the patch"], "a hook added to the stand-in stays on the original"
 
 
+def test_running_statistics_that_require_grad_are_refused_as_torch_refuses_them():
+    """In eval y depends on the running statistics, but the kernels give them no gradient:
+    running_mean.grad stayed None without a word, where torch refuses them in the forward."""
+    x = torch.randn(4, 3, 5, 5, requires_grad=True)
+    running_mean, running_var = torch.zeros(3, requires_grad=True), torch.ones(3)
+    with pytest.raises(RuntimeError, match="running_mean and running_var must not require grad"):
+        tft.batch_norm(x, running_mean, running_var, training=False)
+    with torch.no_grad():  # no graph, as torch takes it
+        tft.batch_norm(x, running_mean, running_var, training=False)
+
+
 def test_the_patched_loss_hands_uint8_targets_to_torch():
     """nn.CrossEntropyLoss takes uint8 class indices; the stand-in sent them to the kernels,
     which take int64 and int32 only, so a patched model raised where it had computed."""

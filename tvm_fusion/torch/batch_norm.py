@@ -62,6 +62,10 @@ def batch_norm(input: torch.Tensor, running_mean: torch.Tensor | None, running_v
     """``torch.nn.functional.batch_norm`` on tvm_fusion's kernels, differentiable with
     respect to ``input``, ``weight`` and ``bias``; ``momentum`` may be a 0-d tensor
     on the input's device (the module docstring says more)."""
+    if (getattr(running_mean, "requires_grad", False) or getattr(running_var, "requires_grad", False)) \
+            and torch.is_grad_enabled():  # torch refuses them: no gradient, not a silent None
+        raise RuntimeError(f"{OP}: running_mean and running_var must not require grad: batch_norm has no "
+                           "gradient with respect to the running statistics (torch refuses them too)")
     if torch.compiler.is_compiling() or type(input) is not torch.Tensor or input.is_meta or not input.numel():
         return _not_launched(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if torch.is_grad_enabled() and (input.requires_grad or getattr(weight, "requires_grad", False)
