@@ -51,6 +51,13 @@ TARGET = np.array([0, 1, 2, 3], np.int64)
         (lambda: tf.build("bn_stats", shape="2x3"), TypeError, ["x.shape"]),
         (lambda: tf.build("bn_stats", shape=(2, -3, 4)), ValueError, ["negative"]),
         (lambda: tf.build("cross_entropy", shape=(2, 3), smoothing=0.1), TypeError, ["smoothing"]),
+        # TVM's own "Literal value ... exceeds range of int32 / int64", naming no argument
+        (lambda: tf.build("cross_entropy", shape=(2**31, 4), target="llvm"), ValueError,
+         ["at most 2**31 - 1 rows", str((2**31, 4))]),
+        (lambda: tf.build("cross_entropy", shape=(4, 2**62), target="llvm"), ValueError,
+         ["logits.shape", "more than an int64 index"]),
+        (lambda: tf.build("bn_stats", shape=(2**33, 2**31, 4), target="llvm"), ValueError,
+         ["x.shape", "more than an int64 index"]),
         # the calls answer B = 0 without a kernel; build failed in TVM's rfactor
         (lambda: tf.build("cross_entropy", shape=(0, 10), target="llvm"), ValueError, ["B > 0", "(0, 10)"]),
         (lambda: tf.build("cross_entropy_grad", shape=(0, 10), target="llvm"), ValueError, ["B > 0", "(0, 10)"]),

@@ -10,6 +10,7 @@ import operator
 from collections.abc import Iterable, Sequence
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+MAX_ELEMENTS = 2**63 - 1  # the most an int64 index reaches
 INDEX_DTYPES = ("int32", "int64")
 
 
@@ -24,6 +25,9 @@ def check_shape(op: str, name: str, shape: object) -> tuple[int, ...]:
     dims = tuple(int(d) for d in dims)
     if any(d < 0 for d in dims):
         raise ValueError(f"{op}: {name} must not have negative sizes, got {dims}")
+    if numel(dims) > MAX_ELEMENTS:  # TVM's index arithmetic failed on it with an error naming neither
+        raise ValueError(f"{op}: {name} {dims} has {numel(dims)} elements, more than an int64 index "
+                         f"reaches (2**63 - 1)")
     return dims
 
 

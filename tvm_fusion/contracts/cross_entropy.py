@@ -37,6 +37,7 @@ from .common import (
 
 OP = "cross_entropy"
 REDUCTIONS = ("none", "mean", "sum")
+MAX_ROWS = 2**31 - 1  # the first bad row (and B, its "none") is reported as an int32
 
 
 class TargetOutOfRangeError(ValueError):
@@ -162,6 +163,9 @@ def check_arguments(
     if len(shape) != 2:
         raise ValueError(f"{op}: logits must have rank 2 (B, V), got shape {shape}")
     batch, classes = shape
+    if batch > MAX_ROWS:  # TVM failed on the flag's int32 constant with an error naming neither
+        raise ValueError(f"{op}: logits may have at most 2**31 - 1 rows (B), the first bad target's row is "
+                         f"an int32; got shape {shape}")
     if classes == 0:
         raise ValueError(f"{op}: logits must have at least one class (V > 0), got shape {shape}")
     check_dtype(op, "logits", logits_dtype, FLOAT_DTYPES)
