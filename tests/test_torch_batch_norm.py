@@ -563,6 +563,24 @@ def test_running_statistics_that_require_grad_are_refused_as_torch_refuses_them(
         tft.batch_norm(x, running_mean, running_var, training=False)
 
 
+def test_unpatch_leaves_a_stand_in_the_caller_removed_or_replaced_and_restores_the_rest():
+    """A removed stand-in made unpatch raise torch's AttributeError halfway (the later
+    originals never put back, the record of them gone); a replaced one had the original
+    put over the caller's module."""
+    model = nn.Sequential(nn.Conv2d(3, 4, 1), nn.BatchNorm2d(4), nn.BatchNorm2d(4), nn.BatchNorm2d(4))
+    originals = list(model)
+    assert len(tft.patch(model)) == 3
+    model[2] = nn.Identity()
+    del model[1]  # Sequential renumbers: the stand-in of "3" is now at "2", none at "3"
+    restored = tft.unpatch(model)
+    assert restored == [] and isinstance(model[1], nn.Identity) and isinstance(model[2], tft.BatchNorm2d)
+    model = nn.Sequential(*originals)
+    tft.patch(model)
+    model[2] = nn.Identity()
+    assert [r.name for r in tft.unpatch(model)] == ["1", "3"]
+    assert model[1] is originals[1] and isinstance(model[2], nn.Identity) and model[3] is originals[3]
+
+
 def test_the_patched_loss_hands_uint8_targets_to_torch():
     """nn.CrossEntropyLoss takes uint8 class indices; the stand-in sent them to the kernels,
     which take int64 and int32 only, so a patched model raised where it had computed."""

@@ -35,7 +35,7 @@ from .cross_entropy import CrossEntropyLoss
 
 _KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _INDEX_DTYPES = (torch.int64, torch.int32)  # the kernels' targets; torch also takes uint8 ones
-_PATCHED = "_tvm_fusion_patched"  # on the model: {name: original module}
+_PATCHED = "_tvm_fusion_patched"  # on the model: {name: its Replaced}
 
 
 class PatchedCrossEntropyLoss(CrossEntropyLoss):
@@ -117,23 +117,35 @@ def patch(model: nn.Module) -> list[Replaced]:
             swaps.append(Replaced(name, module, replacement))
     registry = model.__dict__.setdefault(_PATCHED, {})
     for swap in swaps:
-        registry[swap.name] = swap.original
+        registry[swap.name] = swap
     return swaps
 
 
 def unpatch(model: nn.Module) -> list[Replaced]:
     """Put back every module ``patch`` swapped in ``model``; returns those swaps
-    (original and the stand-in it removes)."""
+    (original and the stand-in it removes). A stand-in the caller has since removed or
+    replaced is left as the caller left it: the original went over the caller's module,
+    and a removed one raised torch's AttributeError halfway, the rest never put back."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"unpatch: model must be a torch.nn.Module, got {type(model).__name__}")
     registry = model.__dict__.pop(_PATCHED, {})
     restored = []
-    for name, original in registry.items():
-        stand_in = model.get_submodule(name)
+    for name, swap in registry.items():
+        stand_in, original = _submodule(model, name), swap.original
+        if stand_in is not swap.replacement:
+            continue
         _carry_state(stand_in, original)
         restored.append(Replaced(name, original, stand_in))
         model.set_submodule(name, original)
     return restored
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    """The submodule at ``name``, or None where there is none (any longer)."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _carry_state(stand_in: nn.Module, original: nn.Module) -> None:
