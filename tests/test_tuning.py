@@ -203,6 +203,14 @@ def test_cli_help(sub):
     assert out.returncode == 0 and "usage" in out.stdout
 
 
+def test_cli_as_a_module_reports_a_relax_usage_error_in_one_line(tmp_path):
+    """Under ``python -m tvm_fusion.cli`` the relax subcommand's UsageError (the package
+    module's class, not __main__'s) escaped main with a traceback and exit status 1."""
+    out = subprocess.run(CLI + ["relax", str(tmp_path / "missing.pt2")], capture_output=True, text=True)
+    assert out.returncode == 2, out.stderr
+    assert "no such file" in out.stderr and "Traceback" not in out.stderr
+
+
 @pytest.mark.parametrize(
     "args, words",
     [

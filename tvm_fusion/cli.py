@@ -524,4 +524,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The package's main, not this __main__ copy's: subcommands elsewhere (relax) raise
+    # tvm_fusion.cli.UsageError, which this copy's except clause did not know (a traceback,
+    # exit 1, under `python -m tvm_fusion.cli`).
+    from tvm_fusion.cli import main as package_main
+
+    sys.exit(package_main())
