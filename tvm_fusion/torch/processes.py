@@ -13,6 +13,7 @@ function). SyncBatchNorm's tests and the collectives' cost fit run through it.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -106,8 +107,6 @@ def _exit(code: int) -> None:
     in CI a rank that had reported its result was aborted (SIGABRT, "terminate called
     without an active exception") while C++ threads (gloo's, torch's, TVM's pool) were
     torn down at exit, and its peers' results were thrown away with it."""
-    import sys
-
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
